@@ -1,0 +1,141 @@
+"""Runner costs, measured side by side in one run (issue 2's targets).
+
+    python benchmarks/runner_overhead.py [--sizes 2 4 8] [--warm-tests 60]
+
+Columns, per world size:
+  bare spawn   mp.spawn + init_process_group(gloo, FileStore) + destroy: the floor of a cold start
+  cold pool    RankPool launch until every rank has joined the group
+  warm test    median wall time of one trivial marked test (one all_reduce) on the warm pool
+  fresh test   a new group per test: spawn + init + the same test + destroy (MultiProcessTestCase style)
+  all_reduce   one all_reduce of a float inside the group (the floor of any distributed test)
+Then: `pytest --collect-only` of 300 plain tests with and without the plugin (the cost where unused).
+Targets on a 2-core machine: warm test at ws 4 <= 5 ms; cold pool <= 1.3x bare spawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ddp_conformance.context import DdpPlan
+from ddp_conformance.messages import Task
+from ddp_conformance.supervisor import RankPool
+
+TEST_SOURCE = """
+import torch
+import torch.distributed as dist
+
+def test_trivial(ddp):
+    dist.all_reduce(torch.ones(1))
+
+def test_floor(ddp):
+    import time
+    t = torch.ones(1)
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(50):
+        dist.all_reduce(t)
+    ddp.figures["all_reduce_s"] = (time.perf_counter() - began) / 50
+"""
+
+
+def _bare_worker(rank: int, world_size: int, store: str, run_test: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    if run_test:
+        dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+
+
+def bare_spawn(world_size: int, run_test: bool = False) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        began = time.perf_counter()
+        mp.spawn(_bare_worker, args=(world_size, os.path.join(tmp, "store"), run_test), nprocs=world_size)
+        return time.perf_counter() - began
+
+
+def task(module: Path, name: str, world_size: int) -> Task:
+    return Task(nodeid=name, module_path=str(module), module_name="bench_module", qualname=name,
+                funcargs=pickle.dumps({"ddp": DdpPlan(world_size, "gloo")}), sys_path=list(sys.path),
+                cwd=os.getcwd())
+
+
+def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    figures["bare"] = statistics.median(bare_spawn(world_size) for _ in range(2))
+    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1)
+    began = time.perf_counter()
+    pool.start()
+    figures["cold"] = time.perf_counter() - began
+    try:
+        trivial = task(module, "test_trivial", world_size)
+        for _ in range(5):
+            pool.run(trivial, 60)  # first calls import the module and warm the pipes
+        times = []
+        for _ in range(warm_tests):
+            began = time.perf_counter()
+            run = pool.run(trivial, 60)
+            times.append(time.perf_counter() - began)
+            assert all(r.outcome == "passed" for r in run.replies.values()), run.replies
+        figures["warm"] = statistics.median(times)
+        floor = pool.run(task(module, "test_floor", world_size), 60)
+        figures["all_reduce"] = floor.replies[0].figures["all_reduce_s"]
+    finally:
+        pool.stop()
+    figures["fresh"] = statistics.median(bare_spawn(world_size, run_test=True) for _ in range(2))
+    return figures
+
+
+def collect_cost(tmp: Path) -> tuple[float, float]:
+    (tmp / "test_plain.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(300)))
+
+    def run(*extra: str) -> float:
+        samples = []
+        for _ in range(3):
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            *extra, str(tmp)], check=True, capture_output=True, cwd=tmp)
+            samples.append(time.perf_counter() - began)
+        return statistics.median(samples)
+
+    return run(), run("-p", "no:ddp_conformance")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--warm-tests", type=int, default=60)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        module = tmp / "bench_module.py"
+        module.write_text(TEST_SOURCE)
+        print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 1 thread per rank\n")
+        header = ("ws", "bare spawn s", "cold pool s", "cold/bare", "warm test ms", "fresh test s",
+                  "fresh/warm", "all_reduce ms", "warm/all_reduce")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for size in args.sizes:
+            f = measure(size, args.warm_tests, module)
+            row = (size, f"{f['bare']:.2f}", f"{f['cold']:.2f}", f"{f['cold'] / f['bare']:.2f}x",
+                   f"{f['warm'] * 1e3:.2f}", f"{f['fresh']:.2f}", f"{f['fresh'] / f['warm']:.0f}x",
+                   f"{f['all_reduce'] * 1e3:.2f}", f"{f['warm'] / f['all_reduce']:.1f}x")
+            print("| " + " | ".join(map(str, row)) + " |", flush=True)
+        with_plugin, without = collect_cost(tmp)
+        print(f"\npytest --collect-only, 300 plain tests: {with_plugin:.2f} s with the plugin, "
+              f"{without:.2f} s without ({with_plugin / without:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""What crosses the pipes between the parent and its ranks.
+
+Data flows one way: the parent sends a test reference (`Task`), every rank runs it and answers once
+(`RankReply`). Both are pickled with the standard pickler on purpose: torch registers shared-memory
+reductions with multiprocessing's pickler, and a tensor travelling that way would leave file
+descriptors and segments behind when a rank is killed.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+
+
+@dataclass
+class Task:
+    """A reference to one test: where its function lives and the fixture values it was given."""
+
+    nodeid: str
+    module_path: str
+    module_name: str
+    qualname: str
+    funcargs: bytes
+    sys_path: list[str]
+    cwd: str
+    tbstyle: str = "long"
+    verbosity: int = 0
+
+
+@dataclass
+class Stop:
+    """Ask a healthy pool to leave its process group and exit."""
+
+
+@dataclass
+class Ready:
+    pid: int
+
+
+@dataclass
+class RankReply:
+    """One rank's outcome of one task."""
+
+    rank: int
+    outcome: str
+    longrepr: str = ""
+    shortrepr: str = ""
+    message: str = ""
+    duration: float = 0.0
+    figures: dict[str, Any] = field(default_factory=dict)
+    group_healthy: bool = True
+    health_note: str = ""
+    sequence: int | None = None
+
+
+def send(conn: Connection, message: object) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())

@@ -1,0 +1,188 @@
+"""The pytest face of ddp-conformance: options, the `ddp` marker and fixture, and report hooks.
+
+Hooks only: decisions live in `session` (the controller), processes in `supervisor`, rank-side work
+in `runtime`. Loading this module imports neither torch nor lightning.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from . import options
+from .context import DdpPlan
+from .messages import SKIPPED, XFAILED
+
+SESSION_KEY = pytest.StashKey["DistributedSession"]()
+SETTINGS_KEY = pytest.StashKey[options.Settings]()
+PLAN_KEY = pytest.StashKey[DdpPlan]()
+DISPATCH_KEY = pytest.StashKey["Dispatch"]()
+
+MARKER_HELP = (
+    "ddp(world_size=None, timeout=None): run the test body on every rank of an initialised process "
+    "group; world_size an int or a list of ints (one test id each), default --ddp-world-size."
+)
+
+
+class DistributedTestFailure(Exception):
+    """Raised in the parent when ranks failed; its report is the verdict, not this traceback."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_HELP)
+    config.stash[SETTINGS_KEY] = options.read_settings(config)
+    _terminate_as_interrupt()
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (a CI runner cancelling the job) ends pytest like Ctrl-C: the session unwinds, the pools
+    are killed, pytest exits non-zero with one line instead of dying with ranks mid-test."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"pytest received {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _session(config: pytest.Config) -> Any:
+    from .session import DistributedSession
+
+    if SESSION_KEY not in config.stash:
+        config.stash[SESSION_KEY] = DistributedSession(config.stash[SETTINGS_KEY])
+    return config.stash[SESSION_KEY]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None:
+        session.close()
+
+
+# -- collection --------------------------------------------------------------------------------
+def _marker_sizes(marker: pytest.Mark, where: str) -> list[int] | None:
+    value = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
+    if value is None:
+        return None
+    sizes = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise pytest.UsageError(
+            f"{where}: @pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got {value!r}"
+        )
+    return sizes
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("ddp")
+    if marker is None:
+        return
+    sizes = _marker_sizes(marker, metafunc.definition.nodeid)
+    if sizes is None or len(sizes) == 1:
+        return
+    # parametrize needs an argument the test requests: the `ddp` fixture, indirectly
+    if "ddp" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("ddp")
+    metafunc.parametrize("ddp", sizes, indirect=True, ids=[f"ws{s}" for s in sizes])
+
+
+def _plan_world_size(item: pytest.Item) -> int | None:
+    marker = item.get_closest_marker("ddp")
+    if marker is None:
+        return None
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "ddp" in callspec.params:
+        return int(callspec.params["ddp"])
+    sizes = _marker_sizes(marker, item.nodeid)
+    return sizes[0] if sizes else item.config.stash[SETTINGS_KEY].world_size
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the first pools early. Under xdist a worker does not know which tests it will get, so
+    it starts only the first shape."""
+    if session.config.option.collectonly:
+        return
+    sizes: list[int] = []
+    for item in session.items:
+        size = _plan_world_size(item)
+        if size is not None and size not in sizes:
+            sizes.append(size)
+    if sizes:
+        from .backend import xdist_worker
+
+        _session(session.config).prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
+
+
+# -- running -----------------------------------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Decide the backend, and any skip that can be known here, before fixtures run or ranks spawn."""
+    world_size = _plan_world_size(item)
+    if world_size is None:
+        return
+    placement = _session(item.config).place(world_size)
+    if placement.skip_reason:
+        pytest.skip(placement.skip_reason)
+    item.stash[PLAN_KEY] = DdpPlan(world_size=world_size, backend=placement.backend)
+
+
+@pytest.fixture
+def ddp(request: pytest.FixtureRequest) -> DdpPlan:
+    """The rank context of a distributed test (rank, local_rank, world_size, backend, device).
+
+    In the parent this is the plan; on each rank the test receives its own `DdpContext`."""
+    plan = request.node.stash.get(PLAN_KEY, None)
+    if plan is None:
+        pytest.fail(f"{request.node.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp",
+                    pytrace=False)
+    return plan
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    plan = pyfuncitem.stash.get(PLAN_KEY, None)
+    if plan is None:
+        return None
+    from .session import UnpicklableFixture
+
+    marker = pyfuncitem.get_closest_marker("ddp")
+    timeout = float(marker.kwargs.get("timeout") or pyfuncitem.config.stash[SETTINGS_KEY].timeout)
+    try:
+        dispatch = _session(pyfuncitem.config).run(pyfuncitem, plan, timeout)
+    except UnpicklableFixture as exc:
+        problem = str(exc)
+    else:
+        problem = None
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    pyfuncitem.stash[DISPATCH_KEY] = dispatch
+    if dispatch.output:
+        pyfuncitem.add_report_section("call", "output (ranks)", dispatch.output)
+    verdict = dispatch.verdict
+    for key, value in verdict.figures.get(0, {}).items():
+        pyfuncitem.user_properties.append((key, value))
+    if verdict.outcome == SKIPPED:
+        pytest.skip(verdict.headline)
+    if verdict.outcome == XFAILED:
+        pytest.xfail(verdict.headline)
+    if verdict.failing_ranks or verdict.outcome == "failed":
+        raise DistributedTestFailure(verdict.render())
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
+        report.longrepr = str(call.excinfo.value)
+    return report

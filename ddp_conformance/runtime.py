@@ -1,0 +1,219 @@
+"""What a rank does with a test: import its module the way pytest would, call it, report once.
+
+Test modules are imported with pytest's assertion rewriting so a failing `assert` inside rank code
+explains itself ("At index 2 diff: 3 != 4") exactly as it would in the parent.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import os
+import pickle
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+from .context import DdpContext, DdpPlan
+from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
+
+_modules: dict[str, tuple[float, types.ModuleType]] = {}
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def load_module(path: str, name: str) -> types.ModuleType:
+    """Import a test module with asserts rewritten; reimported only when the file changed."""
+    mtime = os.stat(path).st_mtime
+    cached = _modules.get(path)
+    if cached and cached[0] == mtime:
+        return cached[1]
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    with open(path, "rb") as handle:
+        source = handle.read()
+    tree = ast.parse(source, filename=path)
+    rewrite_asserts(tree, source, path, None)
+    module = types.ModuleType(name)
+    module.__file__ = path
+    module.__package__ = name.rpartition(".")[0]
+    sys.modules[name] = module  # so objects defined there pickle and import by name
+    exec(compile(tree, path, "exec", dont_inherit=True), module.__dict__)
+    _modules[path] = (mtime, module)
+    return module
+
+
+def resolve(module: types.ModuleType, qualname: str) -> Any:
+    owner: Any = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    if isinstance(owner, type):
+        owner = owner()  # pytest makes a fresh instance per test; so does the rank
+    return getattr(owner, parts[-1])
+
+
+class _ShimConfig:
+    """The two things `assertrepr_compare` asks of pytest's Config, without a Config in the rank."""
+
+    VERBOSITY_ASSERTIONS = "assertions"
+
+    def __init__(self, verbosity: int) -> None:
+        self.verbosity = verbosity
+
+    def get_verbosity(self, _kind: str | None = None) -> int:
+        return self.verbosity
+
+    def get_terminal_writer(self) -> Any:
+        return types.SimpleNamespace(_highlight=lambda source, lexer="python": source)
+
+
+_installed_verbosity: int | None = None
+
+
+def install_reprcompare(verbosity: int) -> None:
+    """Set pytest's private `_reprcompare` in this rank, guarded: its signature differs between pytest
+    8/9.0 (config first) and 9.2+ (keywords). Without it asserts still fail, only less explained."""
+    global _installed_verbosity
+    if _installed_verbosity == verbosity:
+        return
+    from _pytest.assertion import util
+
+    compare = util.assertrepr_compare
+    params = inspect.signature(compare).parameters
+    shim = _ShimConfig(verbosity)
+
+    def explain(op: str, left: object, right: object) -> str | None:
+        try:
+            if "config" in params:
+                lines = compare(shim, op, left, right)
+            else:
+                extra: dict[str, Any] = {}
+                if "verbose" in params:
+                    extra["verbose"] = verbosity
+                if "highlighter" in params:
+                    extra["highlighter"] = shim.get_terminal_writer()._highlight
+                lines = compare(op, left, right, **extra)
+        except Exception:
+            return None
+        if not lines:
+            return None
+        return "\n~".join(line.replace("\n", "\\n") for line in lines).replace("%", "%%")
+
+    util._reprcompare = explain
+    _installed_verbosity = verbosity
+
+
+def format_failure(exc: BaseException, func: Any, style: str) -> str:
+    """pytest's own long representation, cut to start at the test function as pytest does."""
+    from _pytest._code import Code, ExceptionInfo
+
+    info = ExceptionInfo.from_exception(exc)
+    try:
+        code = Code.from_function(inspect.unwrap(func))
+        cut = info.traceback.cut(path=code.path, firstlineno=code.firstlineno)
+        if cut == info.traceback:
+            cut = cut.cut(path=code.path)
+        info.traceback = cut.filter(info)
+    except Exception:
+        pass
+    import io
+
+    from _pytest._io import TerminalWriter
+
+    style = style if style in ("long", "short", "no", "native") else "short"
+    buffer = io.StringIO()
+    writer = TerminalWriter(file=buffer)
+    writer.hasmarkup = False
+    # not str(): TerminalRepr.__str__ strips, eating the first source line's indentation
+    info.getrepr(style=style, funcargs=False, truncate_locals=True).toterminal(writer)
+    return buffer.getvalue().rstrip()
+
+
+def context_from_env() -> DdpContext:
+    from .backend import rank_device
+
+    backend = os.environ["DDP_CONFORMANCE_BACKEND"]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    return DdpContext(
+        rank=int(os.environ["RANK"]),
+        local_rank=local_rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        backend=backend,
+        device_name=rank_device(backend, local_rank),
+    )
+
+
+def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
+    """Whether this rank's group can serve the next test, and its collective sequence number (ranks
+    that disagree on it are out of step, so the parent rebuilds the pool)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False, "the test destroyed the default process group", None
+    # a non-daemon thread the test left behind may be blocked in a collective of this group
+    leftover = [t for t in threading.enumerate()
+                if t.ident not in threads_before and t.is_alive() and not t.daemon]
+    if leftover:
+        return False, f"the test left {len(leftover)} thread(s) running", None
+    sequence = None
+    with contextlib.suppress(Exception):  # private API: without it, the other rules still hold
+        sequence = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    return True, "", sequence
+
+
+def run_task(task: Task) -> RankReply:
+    """Run one test on this rank; never raise (a reply must always go back)."""
+    import pytest
+
+    ctx = context_from_env()
+    environ = dict(os.environ)
+    cwd = os.getcwd()
+    threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    reply = RankReply(rank=ctx.rank, outcome=PASSED)
+    began = time.perf_counter()
+    func = None
+    try:
+        sys.path[:] = list(task.sys_path)
+        os.chdir(task.cwd)
+        install_reprcompare(task.verbosity)
+        func = resolve(load_module(task.module_path, task.module_name), task.qualname)
+        kwargs = pickle.loads(task.funcargs)
+        for name, value in kwargs.items():
+            if isinstance(value, DdpPlan):
+                kwargs[name] = ctx
+        func(**kwargs)
+    except pytest.skip.Exception as exc:
+        reply.outcome, reply.message = SKIPPED, str(exc.msg)
+    except pytest.xfail.Exception as exc:
+        reply.outcome, reply.message = XFAILED, str(exc.msg)
+    except BaseException as exc:
+        reply.outcome = FAILED
+        reply.message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        try:
+            reply.longrepr = format_failure(exc, func, task.tbstyle) if func else reply.message
+            reply.shortrepr = format_failure(exc, func, "short") if func else reply.message
+        except Exception:
+            import traceback
+
+            reply.longrepr = "".join(traceback.format_exception(exc))
+    finally:
+        reply.duration = time.perf_counter() - began
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)  # Lightning's teardown deletes WORLD_SIZE, for one
+    reply.figures = dict(ctx.figures)
+    reply.group_healthy, reply.health_note, reply.sequence = _health(threads_before)
+    if ctx.unusable_group:
+        reply.group_healthy, reply.health_note = False, ctx.unusable_group
+    return reply

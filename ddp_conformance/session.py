@@ -1,0 +1,162 @@
+"""The controller (pytest-xdist's dsession): one per pytest process, owning its warm pools.
+
+It turns a collected test into a `Task`, hands it to the pool of the test's (world size, backend),
+judges the answers, and rebuilds a pool whenever a test may have poisoned its group.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
+from .context import DdpPlan
+from .messages import FAILED, Task
+from .options import Settings
+from .supervisor import PoolRun, PoolStartError, RankPool
+from .verdict import Verdict, judge, prefixed_output
+
+MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
+
+
+class UnpicklableFixture(Exception):
+    pass
+
+
+@dataclass
+class Dispatch:
+    """The outcome of one distributed test, as the plugin reports it."""
+
+    verdict: Verdict
+    output: str
+    run: PoolRun | None
+
+
+class DistributedSession:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
+        self._hardware: Hardware | None = None
+
+    # -- decisions made in the parent ------------------------------------------------------------
+    @property
+    def hardware(self) -> Hardware:
+        if self._hardware is None:
+            found = probe_hardware()
+            index, count = xdist_worker()
+            share = worker_gpu_share(found.cuda_devices, index, count)
+            self._hardware = Hardware(cuda_devices=share, nccl_available=found.nccl_available)
+        return self._hardware
+
+    def place(self, world_size: int) -> Placement:
+        if self.settings.backend == "gloo":  # no need to import torch just to hear "gloo"
+            return Placement("gloo")
+        return choose_backend(self.settings.backend, world_size, self.hardware)
+
+    # -- running ---------------------------------------------------------------------------------
+    def pool(self, world_size: int, backend: str) -> RankPool:
+        """The warm pool for this shape, started (or finished starting) now if need be."""
+        pool = self.launch(world_size, backend)
+        try:
+            pool.wait_ready()
+        except BaseException:
+            self.pools.pop((world_size, backend), None)
+            raise
+        return pool
+
+    def launch(self, world_size: int, backend: str) -> RankPool:
+        key = (world_size, backend)
+        pool = self.pools.get(key)
+        if pool is not None:
+            self.pools.move_to_end(key)
+            return pool
+        while len(self.pools) >= MAX_WARM_POOLS:
+            _, oldest = self.pools.popitem(last=False)
+            oldest.stop()
+        pool = RankPool(
+            world_size, backend,
+            start_timeout=max(self.settings.timeout, 60.0),
+            rank_threads=self.settings.rank_threads,
+            cuda_devices=self.hardware.cuda_devices if backend == "nccl" else (),
+        )
+        pool.launch()
+        self.pools[key] = pool
+        return pool
+
+    def prestart(self, world_sizes: list[int]) -> None:
+        """Launch the pools the collected tests will need, so ranks import torch and meet while
+        pytest is still setting up; nothing waits for them here."""
+        for world_size in world_sizes[:MAX_WARM_POOLS]:
+            placement = self.place(world_size)
+            if placement.skip_reason is None:
+                try:
+                    self.launch(world_size, placement.backend)
+                except OSError:
+                    return  # the test that needs the pool will try again and report why
+
+    def discard(self, world_size: int, backend: str) -> None:
+        pool = self.pools.pop((world_size, backend), None)
+        if pool is not None:
+            pool.kill()
+
+    def run(self, item: pytest.Function, plan: DdpPlan, timeout: float) -> Dispatch:
+        task = make_task(item)
+        try:
+            pool = self.pool(plan.world_size, plan.backend)
+        except PoolStartError as exc:
+            verdict = Verdict(FAILED, headline=str(exc).splitlines()[0], body="\n".join(str(exc).splitlines()[1:]))
+            return Dispatch(verdict, "", None)
+        try:
+            run = pool.run(task, timeout)
+        except BaseException:
+            self.discard(plan.world_size, plan.backend)  # interrupted mid-test: the group is unknown
+            raise
+        if run.poisoned:
+            self.discard(plan.world_size, plan.backend)
+        return Dispatch(judge(run, plan.world_size), prefixed_output(run), run)
+
+    def close(self) -> None:
+        while self.pools:
+            _, pool = self.pools.popitem()
+            pool.stop()
+
+    def kill_all(self) -> None:
+        while self.pools:
+            _, pool = self.pools.popitem()
+            pool.kill()
+
+
+def make_task(item: pytest.Function) -> Task:
+    """The test reference sent to the ranks: module, qualified name and the fixture values."""
+    args: dict[str, Any] = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    for name, value in args.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise UnpicklableFixture(
+                f"fixture {name!r} cannot be sent to the ranks: {type(value).__name__} is not picklable "
+                f"({type(exc).__name__}: {exc}); return a picklable value or build it inside the test"
+            ) from None
+    module = item.module
+    assert module is not None and module.__file__ is not None
+    qualname = item.originalname
+    if item.cls is not None:
+        qualname = f"{item.cls.__qualname__}.{qualname}"
+    tbstyle = item.config.getoption("tbstyle", "auto")
+    return Task(
+        nodeid=item.nodeid,
+        module_path=module.__file__,
+        module_name=module.__name__,
+        qualname=qualname,
+        funcargs=pickle.dumps(args),
+        sys_path=list(sys.path),
+        cwd=os.getcwd(),
+        tbstyle="long" if tbstyle == "auto" else tbstyle,
+        verbosity=item.config.get_verbosity(),
+    )

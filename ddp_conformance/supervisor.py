@@ -1,0 +1,384 @@
+"""Process supervision: one object owns the ranks of a pool, their output and their exit codes.
+
+Modelled on torch.distributed.elastic's `PContext`: ranks are plain subprocesses the pool starts,
+watches (result pipe + pidfd per rank), asks for a stack dump, and kills. Rendezvous goes through a
+FileStore in the pool's private temp dir, so no port is ever fixed or guessed, and the store file is
+deleted only after every rank is dead (deleting it under a live group hangs it, DeepSpeed #7941).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from .messages import RankReply, Ready, Stop, Task, receive, send
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+# After one rank has failed, how long the others get to answer before they count as stuck (typically
+# blocked in a collective the failed rank will never join). Long enough for a slow rank to finish its
+# own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
+FAILURE_GRACE_SECONDS = 5.0
+STOP_GRACE_SECONDS = 5.0
+
+
+class PoolStartError(Exception):
+    """The ranks did not all come up; the message says which and why."""
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    popen: subprocess.Popen[bytes]
+    tasks: Connection
+    results: Connection
+    log_path: Path
+    stack_path: Path
+    sentinel: int | None
+    log_offset: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.popen.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name} ({-code})"
+        return f"exit code {code}"
+
+    def output_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(offset)
+                return handle.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended a task when it sent no reply: crashed, or stuck and then killed."""
+
+    rank: int
+    kind: str  # "crashed" | "hung"
+    detail: str
+    stack: str = ""
+
+
+@dataclass
+class PoolRun:
+    """Everything the pool learned from one task, in rank order."""
+
+    replies: dict[int, RankReply] = field(default_factory=dict)
+    ends: dict[int, RankEnd] = field(default_factory=dict)
+    output: dict[int, str] = field(default_factory=dict)
+    timed_out: bool = False
+    duration: float = 0.0
+
+    @property
+    def poisoned(self) -> bool:
+        """Whether the group can serve another test: any crash or hang, or a rank that says its group
+        is out of step (sequence numbers differ, the group was destroyed, threads left behind)."""
+        if self.ends:
+            return True
+        if any(not reply.group_healthy for reply in self.replies.values()):
+            return True
+        sequences = {reply.sequence for reply in self.replies.values()}
+        return len(sequences) > 1
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback interface, so gloo never picks a CI machine's external NIC."""
+    with contextlib.suppress(OSError, AttributeError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return None
+
+
+class RankPool:
+    """The warm ranks of one (world size, backend): started once, fed test after test."""
+
+    def __init__(
+        self,
+        world_size: int,
+        backend: str,
+        *,
+        start_timeout: float,
+        rank_threads: int | None,
+        cuda_devices: tuple[str, ...] = (),
+    ) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.start_timeout = start_timeout
+        self.rank_threads = rank_threads
+        self.cuda_devices = cuda_devices
+        self.ranks: list[RankProcess] = []
+        self.workdir: Path | None = None
+        self.ready = False
+        self.started_in = 0.0
+        self._launched_at = 0.0
+
+    # -- start ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Spawn the ranks and return at once: they import torch and meet while pytest goes on."""
+        self._launched_at = time.monotonic()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"ddp-conformance-ws{self.world_size}-"))
+        store = self.workdir / "store"
+        try:
+            for rank in range(self.world_size):
+                self.ranks.append(self._spawn(rank, store))
+        except BaseException:
+            self.kill()
+            raise
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        try:
+            self._await_ready(self._launched_at + self.start_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        self.ready = True
+        self.started_in = time.monotonic() - self._launched_at
+
+    def _environment(self, rank: int, store: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            GROUP_RANK="0",
+            NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            PYTHONUNBUFFERED="1",
+            DDP_CONFORMANCE_STORE=str(store),
+            DDP_CONFORMANCE_BACKEND=self.backend,
+            DDP_CONFORMANCE_PARENT=str(os.getpid()),
+            DDP_CONFORMANCE_PG_TIMEOUT=str(max(self.start_timeout, 30.0)),
+        )
+        env.pop("TORCHELASTIC_RUN_ID", None)  # ranks are ours, not an elastic agent's
+        if self.rank_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.rank_threads)
+        if self.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
+            name = loopback_interface()
+            if name:
+                env["GLOO_SOCKET_IFNAME"] = name
+        if self.backend == "nccl":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.cuda_devices[: self.world_size])
+        return env
+
+    def _spawn(self, rank: int, store: Path) -> RankProcess:
+        assert self.workdir is not None
+        task_read, task_write = os.pipe()
+        result_read, result_write = os.pipe()
+        log_path = self.workdir / f"rank{rank}.log"
+        stack_path = self.workdir / f"rank{rank}.stack"
+        stack_path.touch()
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "ddp_conformance.rank", str(task_read), str(result_write),
+                 str(stack_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(task_read, result_write),
+                env=self._environment(rank, store),
+                start_new_session=True,  # a rank's own children die with it (killpg)
+            )
+        os.close(task_read)
+        os.close(result_write)
+        sentinel = None
+        with contextlib.suppress(AttributeError, OSError):
+            sentinel = os.pidfd_open(popen.pid)
+        return RankProcess(
+            rank=rank,
+            popen=popen,
+            tasks=Connection(task_write, readable=False, writable=True),
+            results=Connection(result_read, readable=True, writable=False),
+            log_path=log_path,
+            stack_path=stack_path,
+            sentinel=sentinel,
+        )
+
+    def _await_ready(self, deadline: float) -> None:
+        waiting = {proc.rank: proc for proc in self.ranks}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stacks = self.dump_stacks(list(waiting))
+                lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in waiting]
+                for rank, stack in stacks.items():
+                    lines.append(f"rank {rank} stack:\n{stack}")
+                raise PoolStartError(self._start_failure("\n".join(lines)))
+            for rank, proc in list(waiting.items()):
+                if not proc.alive:
+                    raise PoolStartError(
+                        self._start_failure(f"rank {rank} died while starting ({proc.exit_description()})")
+                    )
+            ready = wait([proc.results for proc in waiting.values()], timeout=min(remaining, 0.1))
+            for conn in ready:
+                proc = next(p for p in waiting.values() if p.results is conn)
+                try:
+                    message = receive(conn)
+                except (EOFError, OSError):
+                    continue  # the exit is picked up on the next pass, with its code
+                if isinstance(message, Ready):
+                    del waiting[proc.rank]
+
+    def _start_failure(self, headline: str) -> str:
+        parts = [f"could not start {self.world_size} {self.backend} ranks: {headline}"]
+        for proc in self.ranks:
+            out = proc.output_since(0).strip()
+            if out:
+                tail = "\n".join(out.splitlines()[-30:])
+                parts.append(f"--- output of rank {proc.rank} ---\n{tail}")
+        return "\n".join(parts)
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self, task: Task, timeout: float) -> PoolRun:
+        """Send one task to every rank and collect one answer (or one end) from each."""
+        began = time.monotonic()
+        deadline = began + timeout
+        run = PoolRun()
+        for proc in self.ranks:
+            proc.log_offset = proc.log_size()
+        for proc in self.ranks:
+            with contextlib.suppress(OSError):  # a dead rank's end is collected below
+                send(proc.tasks, task)
+        pending = {proc.rank: proc for proc in self.ranks}
+        first_failure: float | None = None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if first_failure is None else min(deadline, first_failure + FAILURE_GRACE_SECONDS)
+            if now >= limit:
+                run.timed_out = now >= deadline
+                self._collect_stuck(run, pending, timeout, first_failure is not None)
+                break
+            watch: list[object] = []
+            for proc in pending.values():
+                watch.append(proc.results)
+                if proc.sentinel is not None:
+                    watch.append(proc.sentinel)
+            ready = set(map(id, wait(watch, timeout=min(limit - now, 0.2))))
+            for rank, proc in list(pending.items()):
+                if id(proc.results) in ready:
+                    try:
+                        reply = receive(proc.results)
+                    except (EOFError, OSError):
+                        reply = None
+                    if isinstance(reply, RankReply):
+                        run.replies[rank] = reply
+                        del pending[rank]
+                        if reply.outcome == "failed" and first_failure is None:
+                            first_failure = time.monotonic()
+                        continue
+                if not proc.alive or (proc.sentinel is not None and id(proc.sentinel) in ready):
+                    proc.popen.wait()
+                    run.ends[rank] = RankEnd(rank, "crashed", proc.exit_description())
+                    del pending[rank]
+                    if first_failure is None:
+                        first_failure = time.monotonic()
+        run.duration = time.monotonic() - began
+        for proc in self.ranks:
+            run.output[proc.rank] = proc.output_since(proc.log_offset)
+        return run
+
+    def _collect_stuck(self, run: PoolRun, pending: dict[int, RankProcess], timeout: float,
+                       after_failure: bool) -> None:
+        stacks = self.dump_stacks(list(pending))
+        for rank, proc in pending.items():
+            if not proc.alive:
+                run.ends[rank] = RankEnd(rank, "crashed", proc.exit_description())
+                continue
+            if after_failure:
+                detail = f"no answer {FAILURE_GRACE_SECONDS:g} s after another rank failed (stuck)"
+            else:
+                detail = f"timed out after {timeout:g} s"
+            run.ends[rank] = RankEnd(rank, "hung", detail, stacks.get(rank, ""))
+
+    def dump_stacks(self, ranks: list[int], settle: float = 0.5) -> dict[int, str]:
+        """Ask live ranks for their Python stacks (faulthandler, registered on a signal in each rank)."""
+        asked = []
+        for proc in self.ranks:
+            if proc.rank in ranks and proc.alive:
+                with contextlib.suppress(OSError):
+                    proc.stack_path.write_bytes(b"")
+                    os.kill(proc.popen.pid, STACK_DUMP_SIGNAL)
+                    asked.append(proc)
+        stacks: dict[int, str] = {}
+        end = time.monotonic() + settle
+        while asked and time.monotonic() < end:
+            time.sleep(0.05)
+            if all(p.stack_path.stat().st_size > 0 for p in asked):
+                time.sleep(0.05)  # let the dump finish writing
+                break
+        for proc in asked:
+            text = proc.stack_path.read_text("utf-8", "replace").strip()
+            stacks[proc.rank] = text or "(no stack: the rank did not answer the dump signal)"
+        return stacks
+
+    # -- stop ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Healthy pool: ranks leave the group themselves (bounded), then anything left is killed."""
+        for proc in self.ranks:
+            with contextlib.suppress(OSError):
+                send(proc.tasks, Stop())
+        end = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in self.ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(end - time.monotonic(), 0.01))
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank (and its children) without asking a possibly hung group anything."""
+        for proc in self.ranks:
+            # the whole process group, even when the rank itself is gone: its children (DataLoader
+            # workers, anything a test started) must not outlive it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            if proc.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.kill()
+        for proc in self.ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=10)
+            for closer in (proc.tasks.close, proc.results.close):
+                with contextlib.suppress(OSError):
+                    closer()
+            if proc.sentinel is not None:
+                with contextlib.suppress(OSError):
+                    os.close(proc.sentinel)
+                proc.sentinel = None
+        self.ranks = []
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None

@@ -1,0 +1,519 @@
+"""The plain-torch reference: a DDP training loop done right, built to pass every conformance check.
+
+What "right" means here, each point a check holds it to:
+- data: a `DistributedSampler` per rank, `set_epoch` before every epoch, items that carry their index;
+- model: seeded init (identical on all ranks), optional dropout and BatchNorm (SyncBatchNorm on CUDA);
+- DDP built from the config's kwargs, nothing more, nothing less (`StrategyConfig.ddp_kwargs`);
+- loss averaged over the batch (DDP averages over ranks, so mean/mean is the global-batch gradient);
+- accumulation with `no_sync`, forward included, each micro-batch loss scaled by 1/accumulation;
+- AdamW + StepLR (stepped per optimizer step);
+- checkpoints written by rank 0 only, atomically (temp file + `os.replace`), holding the unwrapped
+  model (no `module.` keys), optimizer, scheduler, epoch, global step, position inside the epoch and
+  every rank's torch/numpy/python RNG states, so a resume reproduces the uninterrupted run bit for bit.
+
+Every decision is a small method so that a broken trainer (the mutants of the conformance suite) is a
+subclass overriding one of them: `make_sampler`, `set_epoch`, `make_model`, `loss`, `ddp_kwargs`,
+`wrap`, `after_backward`, `train_micro_batch`, `checkpoint_payload`, `model_state`,
+`load_model_state`, `load_checkpoint`.
+
+The dataset, model builder, resumable loader and RNG helpers live here too; the Lightning reference
+reuses them so both references train the same network on the same data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+
+from ..adapter import FitObserver, StepInfo, TrainerAdapter, TrainState
+from ..config import ModelConfig, RunConfig
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+
+
+class IndexedDataset(Dataset):
+    """Synthetic classification data made in code: item i is `(i, x_i, y_i)`.
+
+    Labels come from a fixed random linear "teacher", so a small MLP can learn them and the loss
+    falls within a few steps. The index rides along with every sample so a check can see exactly
+    which samples each rank received.
+    """
+
+    def __init__(self, size: int, input_dim: int, num_classes: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        teacher = torch.randn(input_dim, num_classes, generator=generator)
+        self.x = torch.randn(size, input_dim, generator=generator)
+        self.y = (self.x @ teacher).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return index, self.x[index], self.y[index]
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that can resume in the middle of an epoch.
+
+    `state_dict()` is `{"epoch", "position"}` (batches yielded in that epoch); after
+    `load_state_dict`, the next iteration *of that same epoch* skips what was already consumed.
+    Lightning (>= 2.2) saves and restores any train loader implementing this pair, which is how the
+    Lightning reference resumes its data position. The epoch is read from the sampler when the first
+    batch is requested (iteration is lazy), because Lightning calls `set_epoch` after `iter()`.
+    Skipped batches are fetched and discarded: cheap for in-memory data, and it consumes no global
+    RNG because the loader has its own generator (DataLoader draws a base seed per `iter()`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: dict[str, int] | None = None
+        self._epoch = 0
+        self._position = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self._resumable_iter()
+
+    def _resumable_iter(self) -> Iterator[Any]:
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        skip = 0
+        if self._pending is not None and self._pending.get("epoch") == epoch:
+            skip = int(self._pending.get("position", 0))
+        self._pending = None
+        self._epoch, self._position = epoch, 0
+        for index, batch in enumerate(super().__iter__()):
+            if index < skip:
+                continue
+            self._position = index + 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._pending = dict(state)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model
+
+
+def build_mlp(cfg: ModelConfig) -> nn.Sequential:
+    """Linear -> [BatchNorm1d] -> ReLU -> [Dropout] per hidden layer, then a Linear head."""
+    layers: list[nn.Module] = []
+    width = cfg.input_dim
+    for hidden in cfg.hidden:
+        layers.append(nn.Linear(width, hidden))
+        if cfg.batchnorm:
+            layers.append(nn.BatchNorm1d(hidden))
+        layers.append(nn.ReLU())
+        if cfg.dropout > 0:
+            layers.append(nn.Dropout(cfg.dropout))
+        width = hidden
+    layers.append(nn.Linear(width, cfg.num_classes))
+    return nn.Sequential(*layers)
+
+
+def seeded(seed: int, build: Any) -> Any:
+    """Run `build()` with torch's global RNG seeded, without disturbing the caller's RNG stream.
+
+    Model init must be identical on every rank and in every fresh trainer, yet must not reset the
+    global RNG that dropout draws from (that would make a resume differ from an uninterrupted run).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The autocast context for a Lightning-style precision string (as Lightning's MixedPrecision)."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    if precision == "16-mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def split_batch(batch: Sequence[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """Split a collated batch into `parts` micro-batches along dim 0 (for accumulation)."""
+    if parts == 1:
+        return [list(batch)]
+    pieces = [torch.tensor_split(t, parts) for t in batch]
+    return [[p[i] for p in pieces] for i in range(parts) if len(pieces[0][i])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# RNG state, weights_only-safe (torch.load's default since 2.6 rejects numpy arrays)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA), numpy and python RNG states, as tensors/ints/tuples."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(_as_python_state(state["python"]))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
+                         numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_state(value: Any) -> Any:
+    """random.setstate needs tuples; a round trip through some serialisers gives lists."""
+    if isinstance(value, list):
+        return tuple(_as_python_state(v) for v in value)
+    return value
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG state, in rank order (collective). Ranks can draw different random numbers
+    (per-rank seeds, uneven work), so rank 0's state alone would not resume rank 1 exactly."""
+    mine = capture_rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def rng_state_for_rank(states: list[dict[str, Any]] | dict[str, Any], rank: int) -> dict[str, Any]:
+    """This rank's entry; exact only when resuming on the world size that saved it."""
+    if isinstance(states, dict):
+        return states
+    return states[rank] if rank < len(states) else states[0]
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch, numpy and python the same on every rank (what Lightning's seed_everything does)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def atomic_save(payload: Any, path: Path) -> None:
+    """torch.save to a temp file in the same dir, fsync, then os.replace: a crash mid-write leaves
+    the previous checkpoint intact instead of a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        torch.save(payload, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def cpu_copy(value: Any) -> Any:
+    """A deep copy of a (nested) state with every tensor detached and on CPU, for TrainState."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(v) for v in value)
+    return value
+
+
+def static_graph(model: nn.Module) -> bool:
+    """Whether `model` is a DDP built with static_graph=True."""
+    return isinstance(model, DistributedDataParallel) and bool(getattr(model, "static_graph", False))
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The adapter
+
+
+class TorchTrainer(TrainerAdapter):
+    """A plain-torch DDP trainer and its adapter in one. See the module docstring."""
+
+    name = "torch"
+    reduction = "mean"
+
+    def setup(self, config: RunConfig, ctx: Any) -> None:
+        super().setup(config, ctx)
+        self.device = torch.device(ctx.device)
+        self.model: nn.Module | None = None
+        self.wrapped: nn.Module | None = None
+        self.epoch = self.global_step = self.position = 0
+        self.losses: list[float] = []
+        self.checkpoint_file: Path | None = None
+        scaler_on = config.trainer.precision == "16-mixed" and self.device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if scaler_on else None
+
+    # --- data ------------------------------------------------------------------------------------
+
+    def make_dataset(self, size: int | None = None) -> Dataset:
+        data, model = self.config.data, self.config.model
+        return IndexedDataset(size or data.size, model.input_dim, model.num_classes, data.seed)
+
+    def make_sampler(self, dataset: Dataset, rank: int, world_size: int) -> Sampler:
+        data = self.config.data
+        return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle,
+                                  seed=data.seed, drop_last=data.drop_last)
+
+    def build_loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.config.data.seed)
+        return ResumableLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
+                               generator=generator)
+
+    def set_epoch(self, loader: DataLoader, epoch: int) -> None:
+        sampler = loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+    def make_loader(self, dataset: Dataset, *, rank: int, world_size: int, epoch: int) -> DataLoader:
+        loader = self.build_loader(dataset, self.make_sampler(dataset, rank, world_size))
+        self.set_epoch(loader, epoch)
+        return loader
+
+    def batch_indices(self, batch: Any) -> list[int]:
+        return [int(i) for i in batch[0]]
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        return default_collate(list(samples))
+
+    # --- model, loss, one step ------------------------------------------------------------------
+
+    def make_model(self) -> nn.Module:
+        model = seeded(self.config.seed, lambda: build_mlp(self.config.model))
+        if self.config.trainer.sync_batchnorm and self.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return model.to(self.device)
+
+    def to_device(self, batch: Any) -> Any:
+        return [t.to(self.device, non_blocking=True) for t in batch]
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        _, x, y = self.to_device(batch)
+        with autocast_for(self.config.trainer.precision, self.device.type):
+            logits = model(x)
+        return F.cross_entropy(logits.float(), y, reduction=self.reduction)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        return self.config.trainer.strategy.ddp_kwargs()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs())
+
+    def sync_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """`no_sync` on micro-batches that do not end an accumulation window (forward included).
+
+        Not with `static_graph`: a fresh DDP's first backward under no_sync trips a reducer assert
+        (pytorch #143580), and a resumed run's DDP is fresh, so syncing only its first window would
+        make a resume differ (in the last bits) from the uninterrupted run. Every micro-batch is
+        synced instead: the accumulated gradient is the same, at one all-reduce per micro-batch.
+        """
+        if sync or not hasattr(model, "no_sync") or static_graph(model):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Anything done between backward and the optimizer step (here: nothing)."""
+
+    def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The gradient computation of one optimizer step on `batch`: split into
+        `accumulate_grad_batches` micro-batches, all but the last under no_sync."""
+        parts = split_batch(batch, self.config.trainer.accumulate_grad_batches)
+        total = torch.zeros(())
+        for i, micro in enumerate(parts):
+            with self.sync_context(model, i == len(parts) - 1):
+                loss = self.loss(model, micro)
+                self.backward(loss / len(parts))
+            self.after_backward(model)
+            total += loss.detach().float().cpu() / len(parts)
+        return total
+
+    # --- training --------------------------------------------------------------------------------
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        optim = self.config.optim
+        return torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        sched = self.config.optim.scheduler
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=sched.step_size, gamma=sched.gamma)
+
+    def _build(self) -> None:
+        self.dataset = self.make_dataset()
+        self.model = self.make_model()
+        self.optimizer = self.make_optimizer(self.model)
+        self.scheduler = self.make_scheduler(self.optimizer)
+        self.epoch = self.global_step = self.position = 0
+
+    def _wrap(self, observer: FitObserver | None) -> None:
+        assert self.model is not None
+        self.wrapped = self.wrap(self.model)
+        if observer is not None:
+            observer.on_wrapped(self.wrapped)
+
+    def fit(self, steps: int, *, checkpoint_dir: Path | None = None, checkpoint_at: int | None = None,
+            observer: FitObserver | None = None) -> TrainState:
+        seed_all(self.config.seed)
+        self._build()
+        self._wrap(observer)
+        target = None
+        if checkpoint_at is not None:
+            if checkpoint_dir is None:
+                raise ValueError("checkpoint_at needs checkpoint_dir")
+            target = Path(checkpoint_dir) / f"{self.name}-step{checkpoint_at}.pt"
+        return self._run(steps, target, checkpoint_at, observer)
+
+    def resume(self, checkpoint: Path, steps: int, *, observer: FitObserver | None = None) -> TrainState:
+        self._build()
+        self._wrap(observer)
+        # loaded after wrapping so that the RNG state it restores is the last thing touched
+        # before the first batch (every rank loads the same file, so DDP's replicas stay equal)
+        self.load_checkpoint(self.read_checkpoint(Path(checkpoint)))
+        return self._run(steps, None, None, observer)
+
+    def _run(self, steps: int, target: Path | None, checkpoint_at: int | None,
+             observer: FitObserver | None) -> TrainState:
+        accumulate = self.config.trainer.accumulate_grad_batches
+        while self.global_step < steps:
+            loader = self.make_loader(self.dataset, rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                      epoch=self.epoch)
+            length = len(loader)
+            if length == 0:
+                raise RuntimeError(f"rank {self.ctx.rank}: the loader of epoch {self.epoch} is empty")
+            if self.position:
+                loader.load_state_dict({"epoch": self.epoch, "position": self.position})
+            for batch in loader:
+                last = self.position + 1 == length
+                step = last or (self.position + 1) % accumulate == 0
+                self.train_micro_batch(batch, step, observer)
+                self.position += 1
+                if step:
+                    self.optimizer_step()
+                if last:
+                    self.epoch, self.position = self.epoch + 1, 0
+                if step and self.global_step == checkpoint_at and target is not None:
+                    self.save_checkpoint(target)
+                    self.checkpoint_file = target
+                if step and self.global_step >= steps:
+                    break
+        return self.state()
+
+    def train_micro_batch(self, batch: Any, sync: bool, observer: FitObserver | None) -> None:
+        """One micro-batch: forward and backward (under no_sync unless `sync`), then after_backward."""
+        assert self.wrapped is not None
+        info = StepInfo(rank=self.ctx.rank, epoch=self.epoch, global_step=self.global_step,
+                        position=self.position, batch_size=len(batch[0]), optimizer_step=sync)
+        if observer is not None:
+            observer.before_step(info)
+        with self.sync_context(self.wrapped, sync):
+            loss = self.loss(self.wrapped, batch)
+            self.backward(loss / self.config.trainer.accumulate_grad_batches)
+        self.after_backward(self.wrapped)
+        value = float(loss.detach())
+        self.losses.append(value)
+        if observer is not None:
+            observer.after_step(replace(info, loss=value))
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state_dict: keys without DDP's `module.` prefix."""
+        assert self.model is not None
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        assert self.model is not None
+        self.model.load_state_dict(state, strict=True)
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        """Everything a resume needs. Collective (gathers every rank's RNG state)."""
+        payload: dict[str, Any] = {
+            "model": self.model_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "position": self.position,
+            "rng": gather_rng_states(),
+            "world_size": self.ctx.world_size,
+        }
+        if self.scaler is not None:
+            payload["scaler"] = self.scaler.state_dict()
+        return payload
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Rank 0 writes; every rank waits, so no rank can read the file before it exists."""
+        payload = self.checkpoint_payload()
+        if self.ctx.rank == 0:
+            atomic_save(payload, path)
+        barrier()
+
+    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+        return torch.load(path, map_location=self.device, weights_only=True)
+
+    def load_checkpoint(self, payload: dict[str, Any]) -> None:
+        """Restore what the payload holds; a missing piece is left at its fresh value (as a trainer
+        that never saved it would), so the conformance checks see the consequence, not a KeyError."""
+        self.load_model_state(payload["model"])
+        if "optimizer" in payload:
+            self.optimizer.load_state_dict(payload["optimizer"])
+        if "scheduler" in payload:
+            self.scheduler.load_state_dict(payload["scheduler"])
+        if "scaler" in payload and self.scaler is not None:
+            self.scaler.load_state_dict(payload["scaler"])
+        self.epoch = int(payload.get("epoch", 0))
+        self.global_step = int(payload.get("global_step", 0))
+        self.position = int(payload.get("position", 0))
+        if "rng" in payload:
+            restore_rng_state(rng_state_for_rank(payload["rng"], self.ctx.rank))
+
+    def state(self) -> TrainState:
+        assert self.model is not None
+        return TrainState(
+            params=cpu_copy(self.model.state_dict()),
+            optimizer=cpu_copy(self.optimizer.state_dict()),
+            scheduler=cpu_copy(self.scheduler.state_dict()),
+            epoch=self.epoch,
+            global_step=self.global_step,
+            position=self.position,
+            losses=list(self.losses),
+            checkpoint=self.checkpoint_file,
+        )

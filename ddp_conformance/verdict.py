@@ -1,0 +1,108 @@
+"""Turning every rank's answer into one outcome, and one report a person can act on.
+
+A distributed test passes only if every rank passes. A failure names every failing rank, merges
+identical tracebacks ("ranks 1, 3"), and puts the first failing rank's cause in the first line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply
+from .supervisor import PoolRun, RankEnd
+
+
+def ranks_label(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+@dataclass
+class Verdict:
+    outcome: str
+    headline: str = ""
+    body: str = ""
+    failing_ranks: list[int] = field(default_factory=list)
+    figures: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def render(self) -> str:
+        return f"{self.headline}\n{self.body}".rstrip() + "\n"
+
+
+def _end_text(end: RankEnd) -> str:
+    if end.kind == "crashed":
+        return f"{ranks_label([end.rank])} died: {end.detail}"
+    text = f"{ranks_label([end.rank])} {end.detail}"
+    return text + ("\nPython stack at the time:\n" + end.stack if end.stack else "")
+
+
+def judge(run: PoolRun, world_size: int) -> Verdict:
+    replies: dict[int, RankReply] = run.replies
+    figures = {rank: reply.figures for rank, reply in replies.items() if reply.figures}
+    failed = {rank: reply for rank, reply in replies.items() if reply.outcome == FAILED}
+    if failed or run.ends:
+        return _failure(run, failed, world_size, figures)
+    outcomes = {reply.outcome for reply in replies.values()}
+    for special in (SKIPPED, XFAILED):
+        if special in outcomes:
+            reasons = _group(
+                {r: rep.message for r, rep in replies.items() if rep.outcome == special}
+            )
+            text = "; ".join(f"{ranks_label(rs)}: {msg}" if len(reasons) > 1 else msg for msg, rs in reasons)
+            return Verdict(special, headline=text, figures=figures)
+    assert outcomes <= {PASSED}
+    return Verdict(PASSED, figures=figures)
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _group(texts: dict[int, str]) -> list[tuple[str, list[int]]]:
+    grouped: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        grouped.setdefault(texts[rank], []).append(rank)
+    return list(grouped.items())
+
+
+def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
+             figures: dict[int, dict[str, Any]]) -> Verdict:
+    # A rank that died is the cause; survivors' "Connection closed by peer" errors are the symptom,
+    # so the dead come first in the headline.
+    crashed = sorted(r for r, e in run.ends.items() if e.kind == "crashed")
+    hung = sorted(r for r, e in run.ends.items() if e.kind == "hung")
+    causes: list[str] = []
+    if crashed:
+        causes.append("; ".join(f"rank {r} died ({run.ends[r].detail})" for r in crashed))
+    if failed:
+        first = min(failed)
+        causes.append(f"{ranks_label(sorted(failed))} failed: {_clip(failed[first].message)}")
+    if hung:
+        reason = "timed out" if run.timed_out else "stuck after another rank failed"
+        causes.append(f"{ranks_label(hung)} {reason}")
+    failing = sorted(set(failed) | set(run.ends))
+    headline = f"{len(failing)} of {world_size} ranks failed: " + "; ".join(causes)
+    sections: list[str] = []
+    for rank in crashed:
+        sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
+
+    # when a rank died, the others' errors are its echo ("Connection closed by peer"): keep them short
+    def shown(reply: RankReply) -> str:
+        return (reply.shortrepr if crashed else reply.longrepr) or reply.message
+
+    for text, ranks in _group({r: shown(rep) for r, rep in failed.items()}):
+        sections.append(f"{'_' * 20} {ranks_label(ranks)} {'_' * 20}\n{text.rstrip()}")
+    for rank in hung:
+        sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
+    return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
+                   figures=figures)
+
+
+def prefixed_output(run: PoolRun) -> str:
+    """The ranks' captured output, each line prefixed by its rank."""
+    lines = []
+    for rank in sorted(run.output):
+        for line in run.output[rank].splitlines():
+            lines.append(f"[rank {rank}] {line}")
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""Helpers shared by the plugin's own tests: finding rank processes, reading nested-pytest output."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _rank_parent(pid: int) -> int | None:
+    """The pytest pid a rank process belongs to (from its environment), or None if not a rank."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"ddp_conformance.rank" not in cmdline:
+            return None
+        for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(b"DDP_CONFORMANCE_PARENT="):
+                return int(entry.split(b"=", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class _LiveRanks:
+    """Rank processes alive now, optionally only those of one parent pytest."""
+
+    def __call__(self, parent: int | None = None, exclude_parent: int | None = None) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            owner = _rank_parent(int(entry))
+            if owner is None or (parent is not None and owner != parent):
+                continue
+            if exclude_parent is not None and owner == exclude_parent:
+                continue
+            if _is_zombie(int(entry)):
+                continue
+            found.append(int(entry))
+        return found
+
+    @staticmethod
+    def parent_gone(pid: int) -> bool:
+        owner = _rank_parent(pid)
+        return owner is not None and not Path(f"/proc/{owner}").exists()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+live_ranks = _LiveRanks()

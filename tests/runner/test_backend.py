@@ -1,0 +1,49 @@
+"""Backend and GPU decisions, made in the parent from a few facts: testable on a CPU machine."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddp_conformance.backend import Hardware, choose_backend, rank_device, worker_gpu_share, xdist_worker
+
+GPUS4 = Hardware(cuda_devices=("0", "1", "2", "3"), nccl_available=True)
+NO_GPU = Hardware(cuda_devices=(), nccl_available=None)
+
+
+def test_auto_picks_nccl_only_with_a_gpu_per_rank() -> None:
+    assert choose_backend("auto", 4, GPUS4).backend == "nccl"
+    assert choose_backend("auto", 8, GPUS4).backend == "gloo"
+    assert choose_backend("auto", 2, NO_GPU).backend == "gloo"
+    assert choose_backend("auto", 2, Hardware(("0", "1"), nccl_available=False)).backend == "gloo"
+
+
+def test_explicit_nccl_skips_with_what_is_missing() -> None:
+    assert choose_backend("nccl", 4, NO_GPU).skip_reason == "nccl needs 4 GPUs, found 0"
+    assert choose_backend("nccl", 8, GPUS4).skip_reason == "nccl needs 8 GPUs, found 4"
+    no_nccl = Hardware(("0", "1"), nccl_available=False)
+    assert choose_backend("nccl", 2, no_nccl).skip_reason == "nccl is not available in this torch build"
+    assert choose_backend("nccl", 4, GPUS4).skip_reason is None
+    assert choose_backend("gloo", 4, GPUS4).backend == "gloo"
+
+
+def test_devices() -> None:
+    assert rank_device("nccl", 3) == "cuda:3"
+    assert rank_device("gloo", 3) == "cpu"
+
+
+@given(st.integers(0, 16), st.integers(1, 8))
+def test_xdist_workers_get_disjoint_gpus_covering_all(gpus: int, workers: int) -> None:
+    devices = tuple(str(i) for i in range(gpus))
+    shares = [worker_gpu_share(devices, w, workers) for w in range(workers)]
+    flat = [d for share in shares for d in share]
+    assert sorted(flat, key=int) == list(devices)  # disjoint and complete
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1  # balanced
+
+
+def test_xdist_worker_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    assert xdist_worker() == (3, 4)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert xdist_worker() == (0, 1)

@@ -1,0 +1,136 @@
+"""Process lifetime and cost: skips decided before any spawn, no rank outliving pytest (even on
+SIGKILL), and a plugin that imports nothing heavy where no distributed test runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import live_ranks
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+NEVER_SPAWN = """
+import ddp_conformance.supervisor as supervisor
+
+def _refuse(self):
+    raise AssertionError("a rank was spawned although the test had to be skipped in the parent")
+
+supervisor.RankPool.launch = _refuse
+"""
+
+
+def test_nccl_without_gpus_is_skipped_in_the_parent(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(NEVER_SPAWN)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ddp(world_size=4)
+        def test_needs_gpus(ddp):
+            raise AssertionError("must not run")
+        """
+    )
+    env_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env_gpus not in (None, ""):
+        pytest.skip("this machine exposes GPUs; the skip path needs a machine without them")
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", "--ddp-backend", "nccl")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*nccl needs 4 GPUs, found 0*"])
+
+
+def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester) -> None:
+    marker = pytester.path / "ranks-running"
+    pytester.makepyfile(
+        f"""
+        import time
+        import pytest
+        import torch.distributed as dist
+
+        @pytest.mark.ddp(world_size=2)
+        def test_long(ddp):
+            dist.barrier()
+            if ddp.rank == 0:
+                open({str(marker)!r}, "w").close()
+            time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", str(pytester.path)],
+        cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the ranks never started"
+            assert proc.poll() is None, "pytest ended before the test ran"
+            time.sleep(0.1)
+        assert len(live_ranks(parent=proc.pid)) == 2
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while live_ranks(parent=proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live_ranks(parent=proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, signum: int) -> None:
+    marker = pytester.path / "ranks-running"
+    pytester.makepyfile(
+        f"""
+        import time
+        import pytest
+
+        @pytest.mark.ddp(world_size=2)
+        def test_long(ddp):
+            if ddp.rank == 0:
+                open({str(marker)!r}, "w").close()
+            time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", str(pytester.path)],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the test never started"
+            time.sleep(0.1)
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert live_ranks(parent=proc.pid) == []
+    assert "KeyboardInterrupt" in out
+    assert out.count("Traceback") == 0, out
+
+
+def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import sys
+
+        def pytest_sessionfinish(session):
+            heavy = sorted(m for m in ("torch", "lightning") if m in sys.modules)
+            print("HEAVY MODULES:", heavy or "none")
+        """
+    )
+    pytester.makepyfile("def test_plain():\n    assert True\n")
+    for args in (["--collect-only"], []):
+        result = pytester.runpytest_subprocess("-s", "-p", "no:cacheprovider", *args)
+        assert result.ret == 0
+        result.stdout.fnmatch_lines(["*HEAVY MODULES: none*"])
+    listed = pytester.runpytest_subprocess("--trace-config", "--collect-only", "-q")
+    listed.stdout.fnmatch_lines(["*ddp_conformance*"])  # the plugin was loaded, not absent

@@ -1,0 +1,66 @@
+"""Options: the help group, ini mirrors, and one clear usage line for bad input (no spawn needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_help_lists_the_group(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--help")
+    result.stdout.fnmatch_lines(["ddp-conformance (*", "*--ddp-world-size=N*", "*--ddp-backend=*",
+                                 "*--ddp-timeout=SECONDS*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--ddp-world-size", "0"], "--ddp-world-size: expected an integer >= 1, got 0"),
+        (["--ddp-world-size", "-1"], "--ddp-world-size: expected an integer >= 1, got -1"),
+        (["--ddp-world-size", "abc"], "--ddp-world-size: expected an integer >= 1, got 'abc'"),
+        (["--ddp-backend", "mpi"], "--ddp-backend: expected one of auto, gloo, nccl, got 'mpi'"),
+        (["--ddp-timeout", "-3"], "--ddp-timeout: expected a number of seconds > 0, got '-3'"),
+        (["--ddp-timeout", "soon"], "--ddp-timeout: expected a number of seconds > 0, got 'soon'"),
+    ],
+)
+def test_bad_option_is_one_usage_line(pytester: pytest.Pytester, args: list[str], expected: str) -> None:
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines == [f"ERROR: {expected}"] or f"ERROR: {expected}" in result.stderr.lines
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_ini_mirror_and_bad_ini_value(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nddp_world_size = two\n")
+    pytester.makepyfile("def test_nothing(): pass")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: ini option ddp_world_size: expected an integer >= 1, got 'two'"])
+
+
+def test_bad_marker_argument_is_named(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.ddp(world_size=[2, 0])
+        def test_x(ddp):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess()
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*test_x*world_size=...) expects an int >= 1 or a list of them, got [[]2, 0[]]*"])
+
+
+def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.ddp(world_size=1)
+        def test_x():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("--strict-markers", "--collect-only", "-q")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*test_x*"])

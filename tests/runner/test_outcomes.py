@@ -1,0 +1,150 @@
+"""What a distributed test reports: pass, the failing ranks named, merged tracebacks, skips and
+xfails from ranks, parametrized world sizes, fixtures reaching the ranks, output by rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+def test_passes_only_when_every_rank_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import torch
+        import torch.distributed as dist
+
+        @pytest.mark.ddp(world_size=2)
+        def test_all_pass(ddp):
+            assert dist.is_initialized() and dist.get_world_size() == ddp.world_size == 2
+            assert dist.get_rank() == ddp.rank == int(os.environ["RANK"])
+            assert ddp.local_rank == ddp.rank and ddp.backend == "gloo"
+            assert ddp.device == torch.device("cpu")
+            t = torch.tensor([float(ddp.rank)])
+            dist.all_reduce(t)
+            assert t.item() == 1.0
+
+        @pytest.mark.ddp(world_size=2)
+        def test_one_rank_fails(ddp):
+            assert [1, 2, ddp.rank + 3] == [1, 2, 3]
+
+        @pytest.mark.ddp(world_size=3)
+        def test_same_failure_merged(ddp):
+            if ddp.rank >= 1:
+                raise ValueError("rank too high")
+
+        def test_unmarked_runs_in_pytest():
+            assert "RANK" not in __import__("os").environ
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*1 of 2 ranks failed: rank 1 failed: AssertionError: assert [[]1, 2, 4[]] == [[]1, 2, 3[]]*",
+            "*_ rank 1 _*",
+            "*At index 2 diff: 4 != 3*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*2 of 3 ranks failed: ranks 1, 2 failed: ValueError: rank too high*",
+                                 "*_ ranks 1, 2 _*"])
+    assert "_ rank 0 _" not in result.stdout.str()
+
+
+def test_world_sizes_parametrize_into_node_ids(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ddp(world_size=[1, 3])
+        def test_sizes(ddp):
+            assert ddp.world_size in (1, 3)
+
+        @pytest.mark.ddp(world_size=[1, 2])
+        def test_without_fixture():
+            import torch.distributed as dist
+            assert dist.get_world_size() in (1, 2)
+
+        @pytest.mark.ddp
+        def test_default(ddp):
+            assert ddp.world_size == 3
+        """
+    )
+    result = pytester.runpytest_subprocess("-v", "--ddp-world-size", "3", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(
+        ["*test_sizes[[]ws1[]] PASSED*", "*test_sizes[[]ws3[]] PASSED*",
+         "*test_without_fixture[[]ws1[]] PASSED*", "*test_without_fixture[[]ws2[]] PASSED*",
+         "*test_default PASSED*"]
+    )
+
+
+def test_skip_and_xfail_inside_ranks_propagate(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ddp(world_size=2)
+        def test_skips(ddp):
+            pytest.skip("no data on this machine")
+
+        @pytest.mark.ddp(world_size=2)
+        def test_xfails(ddp):
+            pytest.xfail("known bug 12")
+
+        @pytest.mark.xfail(reason="marked", strict=True)
+        @pytest.mark.ddp(world_size=2)
+        def test_marked_xfail(ddp):
+            assert ddp.rank == 0
+        """
+    )
+    result = pytester.runpytest_subprocess("-rsx", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1, xfailed=2)
+    result.stdout.fnmatch_lines(["*SKIPPED*no data on this machine*", "*XFAIL*known bug 12*"])
+
+
+def test_fixtures_reach_ranks_and_output_is_prefixed(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.fixture(params=[3])
+        def numbers(request):
+            return list(range(request.param))
+        """
+    )
+    pytester.makepyfile(
+        """
+        import threading
+        import pytest
+        import torch.distributed as dist
+
+        @pytest.mark.ddp(world_size=2)
+        def test_shared_tmp_path(ddp, tmp_path, numbers):
+            assert numbers == [0, 1, 2]
+            (tmp_path / f"from-rank{ddp.rank}").write_text("x")
+            dist.barrier()
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["from-rank0", "from-rank1"]
+            print(f"hello from {ddp.rank}")
+            ddp.figures["answer"] = 42
+
+        @pytest.fixture
+        def lock():
+            return threading.Lock()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_unpicklable(ddp, lock):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-rP", "-p", "no:cacheprovider", "--junitxml=out.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*[[]rank 0[]] hello from 0*", "*[[]rank 1[]] hello from 1*"])
+    result.stdout.fnmatch_lines(
+        ["*fixture 'lock' cannot be sent to the ranks: lock is not picklable*"]
+    )
+    assert "During handling" not in result.stdout.str()
+    xml = (pytester.path / "out.xml").read_text()
+    assert '<property name="answer" value="42"' in xml
