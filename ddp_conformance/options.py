@@ -24,6 +24,9 @@ class Settings:
     backend: str
     timeout: float
     rank_threads: int | None
+    trainers: tuple[str, ...] = ("torch", "lightning")
+    config_path: str | None = None
+    report_path: str | None = None
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -44,6 +47,21 @@ def add_options(parser: pytest.Parser) -> None:
         "--ddp-rank-threads", dest="ddp_rank_threads", default=None, metavar="N",
         help="intra-op threads per rank (default: OMP_NUM_THREADS if set, else 1, as torchrun does).",
     )
+    group.addoption(
+        "--ddp-trainer", dest="ddp_trainers", action="append", default=None, metavar="SPEC",
+        help="trainer to check (repeatable): torch, lightning, package.module:Attr or path/file.py:Attr; "
+        "default both built-ins.",
+    )
+    group.addoption(
+        "--ddp-config", dest="ddp_config", default=None, metavar="PATH",
+        help="YAML run config in the seeds' shape (trainer.strategy, precision, ...).",
+    )
+    group.addoption(
+        "--ddp-report", dest="ddp_report", default=None, metavar="PATH",
+        help="write the conformance results as JSON to PATH.",
+    )
+    parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
+    parser.addini("ddp_config", "default --ddp-config", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
     parser.addini("ddp_backend", "default --ddp-backend", default=None)
     parser.addini("ddp_timeout", "default --ddp-timeout", default=None)
@@ -94,4 +112,28 @@ def read_settings(config: pytest.Config) -> Settings:
     if threads is None and not os.environ.get("OMP_NUM_THREADS"):
         threads = 1
     assert world_size is not None
-    return Settings(world_size=world_size, backend=backend, timeout=timeout, rank_threads=threads)
+    trainers = tuple(config.getoption("ddp_trainers") or config.getini("ddp_trainers") or ("torch", "lightning"))
+    config_path, _ = _raw(config, "ddp_config")
+    if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
+        config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
+    return Settings(world_size=world_size, backend=backend, timeout=timeout, rank_threads=threads,
+                    trainers=trainers, config_path=config_path, report_path=config.getoption("ddp_report"))
+
+
+def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
+    """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
+    any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
+    from .trainers.spec import SpecError, resolve_spec
+
+    for spec in settings.trainers:
+        try:
+            resolve_spec(spec, config.rootpath)
+        except SpecError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    if settings.config_path is not None:
+        from .config import ConfigError, load_config
+
+        try:
+            load_config(settings.config_path)
+        except ConfigError as exc:
+            raise pytest.UsageError(str(exc)) from None

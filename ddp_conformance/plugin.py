@@ -38,7 +38,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
-    config.stash[SETTINGS_KEY] = options.read_settings(config)
+    settings = options.read_settings(config)
+    config.stash[SETTINGS_KEY] = settings
+    if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
+        options.validate_trainers_and_config(config, settings)
     _terminate_as_interrupt()
 
 
@@ -54,6 +57,11 @@ def _terminate_as_interrupt() -> None:
         raise KeyboardInterrupt(f"pytest received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def settings_of(config: pytest.Config) -> options.Settings:
+    """The session's validated options (trainer SPECs, config path, world size...), for the suite."""
+    return config.stash[SETTINGS_KEY]
 
 
 def _session(config: pytest.Config) -> Any:
