@@ -23,6 +23,7 @@ class Settings:
     world_size: int
     backend: str
     timeout: float
+    start_timeout: float
     rank_threads: int | None
     trainers: tuple[str, ...] = ("torch", "lightning")
     config_path: str | None = None
@@ -42,6 +43,10 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption(
         "--ddp-timeout", dest="ddp_timeout", default=None, metavar="SECONDS",
         help=f"wall-clock limit of one distributed test (default {DEFAULT_TIMEOUT:g}).",
+    )
+    group.addoption(
+        "--ddp-start-timeout", dest="ddp_start_timeout", default=None, metavar="SECONDS",
+        help="limit for a pool's ranks to start and meet (default: the larger of --ddp-timeout and 60).",
     )
     group.addoption(
         "--ddp-rank-threads", dest="ddp_rank_threads", default=None, metavar="N",
@@ -66,6 +71,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("ddp_backend", "default --ddp-backend", default=None)
     parser.addini("ddp_timeout", "default --ddp-timeout", default=None)
     parser.addini("ddp_rank_threads", "default --ddp-rank-threads", default=None)
+    parser.addini("ddp_start_timeout", "default --ddp-start-timeout", default=None)
 
 
 def _raw(config: pytest.Config, name: str) -> tuple[str | None, str]:
@@ -92,6 +98,19 @@ def _int(config: pytest.Config, name: str, minimum: int, default: int | None) ->
     return value
 
 
+def _seconds(config: pytest.Config, name: str, default: float) -> float:
+    raw, where = _raw(config, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{where}: expected a number of seconds > 0, got {raw!r}") from None
+    if not value > 0:
+        raise pytest.UsageError(f"{where}: expected a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def read_settings(config: pytest.Config) -> Settings:
     """Validate the options once, at configure time, so bad input stops the session in one line."""
     world_size = _int(config, "ddp_world_size", 1, DEFAULT_WORLD_SIZE)
@@ -99,15 +118,8 @@ def read_settings(config: pytest.Config) -> Settings:
     backend = (raw or "auto").strip().lower()
     if backend not in BACKENDS:
         raise pytest.UsageError(f"{where}: expected one of {', '.join(BACKENDS)}, got {raw!r}")
-    raw, where = _raw(config, "ddp_timeout")
-    timeout = DEFAULT_TIMEOUT
-    if raw is not None:
-        try:
-            timeout = float(raw)
-        except ValueError:
-            raise pytest.UsageError(f"{where}: expected a number of seconds > 0, got {raw!r}") from None
-        if not timeout > 0:
-            raise pytest.UsageError(f"{where}: expected a number of seconds > 0, got {raw!r}")
+    timeout = _seconds(config, "ddp_timeout", DEFAULT_TIMEOUT)
+    start_timeout = _seconds(config, "ddp_start_timeout", max(timeout, 60.0))
     threads = _int(config, "ddp_rank_threads", 1, None)
     if threads is None and not os.environ.get("OMP_NUM_THREADS"):
         threads = 1
@@ -116,7 +128,8 @@ def read_settings(config: pytest.Config) -> Settings:
     config_path, _ = _raw(config, "ddp_config")
     if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
         config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
-    return Settings(world_size=world_size, backend=backend, timeout=timeout, rank_threads=threads,
+    return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
+                    rank_threads=threads,
                     trainers=trainers, config_path=config_path, report_path=config.getoption("ddp_report"))
 
 

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from . import options
+from . import external, options
 from .context import DdpPlan
 from .messages import SKIPPED, XFAILED
 
 SESSION_KEY = pytest.StashKey["DistributedSession"]()
+EXTERNAL_KEY = pytest.StashKey["ExternalRanks"]()
 SETTINGS_KEY = pytest.StashKey[options.Settings]()
 PLAN_KEY = pytest.StashKey[DdpPlan]()
 DISPATCH_KEY = pytest.StashKey["Dispatch"]()
@@ -36,10 +37,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_options(parser)
 
 
+@pytest.hookimpl(tryfirst=True)  # before junitxml reads its path: other ranks must not clobber it
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     settings = options.read_settings(config)
     config.stash[SETTINGS_KEY] = settings
+    if external.launched_externally():
+        config.stash[EXTERNAL_KEY] = external.ExternalRanks(settings.backend, settings.timeout)
+        external.quiet_non_zero_rank(config)
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
         options.validate_trainers_and_config(config, settings)
     _terminate_as_interrupt()
@@ -104,6 +109,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("ddp", sizes, indirect=True, ids=[f"ws{s}" for s in sizes])
 
 
+def _launcher_world_size(item: pytest.Item) -> int | None:
+    """The size a test asks for when the launcher fixed the size: only an explicit one counts."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "ddp" in callspec.params:
+        return int(callspec.params["ddp"])
+    marker = item.get_closest_marker("ddp")
+    sizes = _marker_sizes(marker, item.nodeid) if marker is not None else None
+    return sizes[0] if sizes else None
+
+
 def _plan_world_size(item: pytest.Item) -> int | None:
     marker = item.get_closest_marker("ddp")
     if marker is None:
@@ -118,7 +133,7 @@ def _plan_world_size(item: pytest.Item) -> int | None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the first pools early. Under xdist a worker does not know which tests it will get, so
     it starts only the first shape."""
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or EXTERNAL_KEY in session.config.stash:
         return
     sizes: list[int] = []
     for item in session.items:
@@ -135,20 +150,46 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Decide the backend, and any skip that can be known here, before fixtures run or ranks spawn."""
-    world_size = _plan_world_size(item)
-    if world_size is None:
+    marker = item.get_closest_marker("ddp")
+    if marker is None:
         return
+    launched = item.config.stash.get(EXTERNAL_KEY, None)
+    if launched is not None:  # ranks are the launcher's: run here, on this rank
+        reason = launched.skip_reason(_launcher_world_size(item))
+        if reason:
+            _skip_at_item(reason)
+        launched.ensure_group()
+        return
+    world_size = _plan_world_size(item)
+    assert world_size is not None
     placement = _session(item.config).place(world_size)
     if placement.skip_reason:
-        pytest.skip(placement.skip_reason)
+        _skip_at_item(placement.skip_reason)
     item.stash[PLAN_KEY] = DdpPlan(world_size=world_size, backend=placement.backend)
 
 
+def _skip_at_item(reason: str) -> None:
+    """Skip reported at the test's location (as a skip marker is), not at this plugin's line."""
+    try:
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # a pytest without the keyword
+        pytest.skip(reason)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if EXTERNAL_KEY in session.config.stash:
+        external.quiet_non_zero_rank_output(session.config)
+
+
 @pytest.fixture
-def ddp(request: pytest.FixtureRequest) -> DdpPlan:
+def ddp(request: pytest.FixtureRequest) -> Any:
     """The rank context of a distributed test (rank, local_rank, world_size, backend, device).
 
     In the parent this is the plan; on each rank the test receives its own `DdpContext`."""
+    launched = request.config.stash.get(EXTERNAL_KEY, None)
+    if launched is not None and request.node.get_closest_marker("ddp") is not None:
+        return launched.context()
     plan = request.node.stash.get(PLAN_KEY, None)
     if plan is None:
         pytest.fail(f"{request.node.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp",
@@ -188,9 +229,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
         report.longrepr = str(call.excinfo.value)
+    launched = item.config.stash.get(EXTERNAL_KEY, None)
+    if launched is not None and call.when == "call" and item.get_closest_marker("ddp") is not None:
+        summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
+        outcomes = launched.agree(item.nodeid, report.outcome, summary[-4000:])
+        external.merge_report(report, launched.me.rank, outcomes)
     return report

@@ -81,7 +81,7 @@ class DistributedSession:
             oldest.stop()
         pool = RankPool(
             world_size, backend,
-            start_timeout=max(self.settings.timeout, 60.0),
+            start_timeout=self.settings.start_timeout,
             rank_threads=self.settings.rank_threads,
             cuda_devices=self.hardware.cuda_devices if backend == "nccl" else (),
         )

@@ -6,6 +6,7 @@ identical tracebacks ("ranks 1, 3"), and puts the first failing rank's cause in 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,9 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     if hung:
         reason = "timed out" if run.timed_out else "stuck after another rank failed"
         causes.append(f"{ranks_label(hung)} {reason}")
+        diagnosis = diagnose_hang({r: run.ends[r].stack for r in hung})
+        if diagnosis and not crashed and not failed:
+            causes.insert(0, diagnosis)
     failing = sorted(set(failed) | set(run.ends))
     headline = f"{len(failing)} of {world_size} ranks failed: " + "; ".join(causes)
     sections: list[str] = []
@@ -97,6 +101,50 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
         sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
     return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
                    figures=figures)
+
+
+_FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _frames(stack: str) -> list[tuple[str, int, str]]:
+    """faulthandler frames of the main thread, innermost first: (path, line, function)."""
+    main = stack.split("\n\n")[0] if "Current thread" in stack else stack
+    return [(m["path"], int(m["line"]), m["func"]) for m in _FRAME.finditer(main)]
+
+
+def _collective(frames: list[tuple[str, int, str]]) -> str | None:
+    for path, _, func in frames:
+        if path.endswith("distributed_c10d.py"):
+            return func
+    return None
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str:
+    for path, line, func in frames:
+        if "site-packages" not in path and "/ddp_conformance/" not in path and not path.startswith("<"):
+            return f"{func} at {path.rsplit('/', 1)[-1]}:{line}"
+    return "unknown"
+
+
+def diagnose_hang(stacks: dict[int, str]) -> str:
+    """Name the cause of a hang from the ranks' stacks: ranks waiting in different collectives, or
+    some ranks waiting in a collective that others never reached."""
+    where = {rank: _frames(stack) for rank, stack in stacks.items() if stack}
+    if len(where) < 2:
+        return ""
+    waiting = {rank: _collective(frames) for rank, frames in where.items()}
+    in_collective = {rank: name for rank, name in waiting.items() if name}
+    elsewhere = sorted(rank for rank, name in waiting.items() if not name)
+    if in_collective and elsewhere:
+        names = sorted(set(in_collective.values()))
+        return (f"{ranks_label(elsewhere)} never reached the collective "
+                f"({'; '.join(_user_frame(where[r]) for r in elsewhere)}) "
+                f"that {ranks_label(sorted(in_collective))} "
+                f"{'waits' if len(in_collective) == 1 else 'wait'} in ({', '.join(names)})")
+    if len(set(in_collective.values())) > 1:
+        parts = ", ".join(f"rank {r} in {name}" for r, name in sorted(in_collective.items()))
+        return f"mismatched collectives: {parts}"
+    return ""
 
 
 def prefixed_output(run: PoolRun) -> str:

@@ -1,0 +1,148 @@
+"""Ranks someone else started: pytest itself running under torchrun, or srun with torch's env://
+variables exported. Nothing is spawned; each pytest process is one rank, marked tests run in it, and
+the ranks agree on every outcome through the launcher's store, so a test fails everywhere if it failed
+anywhere, naming the rank. Only rank 0 prints.
+
+The agreement travels through the store, not a collective: a test that broke or hung the group
+must still be reported.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from .context import DdpContext
+
+AGREE_KEY = "ddp-conformance/outcome"
+
+
+def launched_externally(environ: dict[str, str] | None = None) -> bool:
+    """torch's env:// contract is set for this very process (not one of our own pooled ranks)."""
+    env = os.environ if environ is None else environ
+    if "DDP_CONFORMANCE_STORE" in env:
+        return False
+    return all(name in env for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+@dataclass(frozen=True)
+class LaunchedRank:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+    @classmethod
+    def from_env(cls) -> LaunchedRank:
+        world_size = int(os.environ["WORLD_SIZE"])
+        return cls(rank=int(os.environ["RANK"]), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                   world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+class ExternalRanks:
+    """The per-process controller in launcher mode (the counterpart of `DistributedSession`)."""
+
+    def __init__(self, requested_backend: str, timeout: float) -> None:
+        self.me = LaunchedRank.from_env()
+        self.requested_backend = requested_backend
+        self.timeout = timeout
+        self.backend: str | None = None
+        self._agreements = 0
+
+    def skip_reason(self, world_size: int | None) -> str | None:
+        if world_size is not None and world_size != self.me.world_size:
+            return f"the launcher started {self.me.world_size} ranks; this test needs {world_size}"
+        return None
+
+    def context(self) -> DdpContext:
+        from .backend import rank_device
+
+        backend = self.ensure_group()
+        return DdpContext(rank=self.me.rank, local_rank=self.me.local_rank, world_size=self.me.world_size,
+                          backend=backend, device_name=rank_device(backend, self.me.local_rank))
+
+    def ensure_group(self) -> str:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = self.requested_backend
+            if backend == "auto":
+                enough = torch.cuda.is_available() and torch.cuda.device_count() >= self.me.local_world_size
+                backend = "nccl" if enough and dist.is_nccl_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(self.me.local_rank)
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=self.timeout))
+        self.backend = str(dist.get_backend())
+        return self.backend
+
+    def agree(self, nodeid: str, outcome: str, summary: str) -> dict[int, tuple[str, str]]:
+        """Publish this rank's outcome of a test and read everyone's; a rank that does not publish
+        within the timeout is reported as silent (hung or dead)."""
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        self._agreements += 1
+        prefix = f"{AGREE_KEY}/{self._agreements}"
+        store.set(f"{prefix}/{self.me.rank}", pickle.dumps((nodeid, outcome, summary)))
+        keys = [f"{prefix}/{rank}" for rank in range(self.me.world_size)]
+        outcomes: dict[int, tuple[str, str]] = {}
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception:
+            pass  # the silent ranks are reported below
+        for rank, key in enumerate(keys):
+            try:
+                if store.check([key]):
+                    _, their_outcome, their_summary = pickle.loads(store.get(key))
+                    outcomes[rank] = (their_outcome, their_summary)
+                    continue
+            except Exception:
+                pass
+            outcomes[rank] = ("failed", f"did not report within {self.timeout:g} s (hung or dead)")
+        return outcomes
+
+
+def quiet_non_zero_rank(config: pytest.Config) -> None:
+    """Rank 0 writes the reports; the others would clobber its files (called before junitxml reads
+    its option)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    config.option.xmlpath = None
+    config.option.ddp_report = None
+
+
+def quiet_non_zero_rank_output(config: pytest.Config) -> None:
+    """Rank 0 prints; the others would only repeat it. The reporter stays registered (assertion
+    explanations ask it for its writer); only where it writes changes."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        from _pytest._io import TerminalWriter
+
+        reporter._tw = TerminalWriter(file=open(os.devnull, "w"))  # noqa: SIM115 - lives as long as pytest
+
+
+def merge_report(report: Any, me: int, outcomes: dict[int, tuple[str, str]]) -> None:
+    """Make this rank's report say what happened on every rank."""
+    failed = sorted(rank for rank, (outcome, _) in outcomes.items() if outcome == "failed")
+    if not failed:
+        return
+    others = [rank for rank in failed if rank != me]
+    if not others:
+        return
+    lines = [f"{'rank' if len(failed) == 1 else 'ranks'} {', '.join(map(str, failed))} failed"]
+    for rank in others:
+        lines.append(f"{'_' * 20} rank {rank} {'_' * 20}\n{outcomes[rank][1]}")
+    text = "\n".join(lines)
+    if report.passed or report.skipped:
+        report.outcome = "failed"
+        report.longrepr = text
+    else:
+        report.sections.append(("other ranks", text))

@@ -1,0 +1,72 @@
+"""Other launchers: pytest under torchrun (ranks someone else started) and pytest-xdist workers."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+DISTRIBUTED_TESTS = """
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.ddp
+def test_sum(ddp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ddp.world_size
+
+@pytest.mark.ddp
+def test_rank1_fails(ddp):
+    assert ddp.rank != 1, "rank 1 disagrees"
+
+@pytest.mark.ddp(world_size=[2, 3])
+def test_sizes(ddp):
+    assert ddp.world_size == 2
+
+def test_plain():
+    pass
+"""
+
+
+def test_under_torchrun_ranks_agree_and_rank0_reports(pytester: pytest.Pytester) -> None:
+    """The CI smoke test of torchrun mode: two processes, nothing spawned by the plugin."""
+    pytester.makepyfile(DISTRIBUTED_TESTS)
+    result = pytester.run(
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--junitxml", "out.xml", str(pytester.path),
+        timeout=120,
+    )
+    assert result.ret != 0  # a red test fails the launcher, hence the job
+    out = result.stdout.str()
+    # one report (rank 0's), in which the failure on rank 1 is named
+    assert out.count("short test summary info") == 1, out
+    result.stdout.fnmatch_lines(["*test_rank1_fails*", "rank 1 failed", "*_ rank 1 _*", "*rank 1 disagrees*"])
+    result.stdout.fnmatch_lines(["*the launcher started 2 ranks; this test needs 3*",
+                                 "*1 failed, 3 passed, 1 skipped*"])
+    assert "ddp_conformance.rank" not in out
+    assert (pytester.path / "out.xml").exists()
+
+
+def test_xdist_workers_each_run_their_own_pool(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import torch
+        import torch.distributed as dist
+
+        @pytest.mark.parametrize("n", range(4))
+        @pytest.mark.ddp(world_size=2)
+        def test_many(ddp, n, tmp_path):
+            t = torch.tensor([float(n)])
+            dist.all_reduce(t)
+            assert t.item() == 2 * n
+            assert os.environ["PYTEST_XDIST_WORKER"].startswith("gw")
+        """
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--ddp-backend", "gloo")
+    result.assert_outcomes(passed=4)
