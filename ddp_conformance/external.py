@@ -9,6 +9,7 @@ must still be reported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from dataclasses import dataclass
@@ -92,19 +93,14 @@ class ExternalRanks:
         store.set(f"{prefix}/{self.me.rank}", pickle.dumps((nodeid, outcome, summary)))
         keys = [f"{prefix}/{rank}" for rank in range(self.me.world_size)]
         outcomes: dict[int, tuple[str, str]] = {}
-        try:
+        with contextlib.suppress(Exception):  # the silent ranks are reported below
             store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception:
-            pass  # the silent ranks are reported below
         for rank, key in enumerate(keys):
-            try:
+            outcomes[rank] = ("failed", f"did not report within {self.timeout:g} s (hung or dead)")
+            with contextlib.suppress(Exception):
                 if store.check([key]):
                     _, their_outcome, their_summary = pickle.loads(store.get(key))
                     outcomes[rank] = (their_outcome, their_summary)
-                    continue
-            except Exception:
-                pass
-            outcomes[rank] = ("failed", f"did not report within {self.timeout:g} s (hung or dead)")
         return outcomes
 
 
