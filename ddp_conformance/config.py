@@ -355,6 +355,7 @@ def reconcile(
     `devices: -1, accelerator: gpu` on a CPU runner must still be checked, just on what is there.
     `sync_batchnorm` on CPU falls back to plain BatchNorm because torch refuses SyncBatchNorm in CPU
     modules ("SyncBatchNorm layers only work with GPU modules"); the note says it was not exercised.
+    `16-mixed` on CPU becomes `bf16-mixed`, as Lightning does, so both references train alike.
     """
     trainer = config.trainer
     notes: list[str] = []
@@ -373,6 +374,11 @@ def reconcile(
         sync_batchnorm = False
         notes.append("trainer.sync_batchnorm: true, but SyncBatchNorm only works with GPU modules; plain "
                      "BatchNorm was used on CPU, so SyncBatchNorm was not exercised")
+    precision = trainer.precision
+    if precision == "16-mixed" and device_type != "cuda":
+        precision = "bf16-mixed"
+        notes.append("trainer.precision: '16-mixed' replaced by 'bf16-mixed' (fp16 AMP is not supported on "
+                     "CPU; Lightning makes the same substitution)")
     trainer = replace(trainer, devices=devices, accelerator=accelerator, num_nodes=num_nodes,
-                      sync_batchnorm=sync_batchnorm)
+                      sync_batchnorm=sync_batchnorm, precision=precision)
     return replace(config, trainer=trainer), notes

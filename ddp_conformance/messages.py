@@ -37,8 +37,37 @@ class Stop:
 
 
 @dataclass
+class Hello:
+    """A rank's first words on its channel: who it is, before it spends time joining the group."""
+
+    rank: int
+    pid: int
+
+
+@dataclass
 class Ready:
     pid: int
+
+
+@dataclass
+class Fork:
+    """Ask the zygote for one rank process with this environment and log file."""
+
+    env: dict[str, str]
+    log_path: str
+
+
+@dataclass
+class Forked:
+    pid: int
+
+
+@dataclass
+class Exited:
+    """The zygote reaped one of its ranks; `status` as os.waitpid gives it."""
+
+    pid: int
+    status: int
 
 
 @dataclass

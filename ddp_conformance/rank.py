@@ -1,8 +1,9 @@
 """The worker side: a rank process that joins the group once and then runs test after test.
 
-Started by `supervisor.RankPool` as `python -m ddp_conformance.rank TASK_FD RESULT_FD STACK_FILE`.
-Everything that can make a rank outlive pytest is settled here first: the parent-death signal, and a
-check that the parent did not die before it was set.
+A rank is either exec'd (`python -m ddp_conformance.rank`) or forked by the zygote, which has torch
+imported already; both end up in `serve()`, configured entirely by the environment the pool set.
+Everything that can make a rank outlive pytest is settled first: the parent-death signal, and a check
+that the parent did not die before it was set.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import faulthandler
 import os
 import signal
+import socket
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -19,8 +21,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """SIGKILL this rank when pytest dies, even by SIGKILL (Linux). Elsewhere the supervisor's kill
-    on every exit path is all there is."""
+    """SIGKILL this process when its parent dies, even by SIGKILL (Linux). Elsewhere the supervisor's
+    kill on every exit path is all there is."""
     expected = int(os.environ.get("DDP_CONFORMANCE_PARENT", "0"))
     if sys.platform.startswith("linux"):
         try:
@@ -30,6 +32,13 @@ def die_with_parent() -> None:
             pass
     if expected and os.getppid() != expected:
         os._exit(70)  # the parent is already gone: the signal above came too late to fire
+
+
+def connect(address: str) -> Connection:
+    """One duplex channel to the pool (an abstract Unix socket on Linux, a socket file elsewhere)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\0" + address[1:] if address.startswith("@") else address)
+    return Connection(sock.detach())
 
 
 def join_group() -> None:
@@ -49,30 +58,34 @@ def join_group() -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def main(argv: list[str]) -> int:
-    die_with_parent()
-    task_fd, result_fd, stack_file = int(argv[0]), int(argv[1]), argv[2]
+def serve() -> int:
+    """Say hello, join the group, then answer tasks until told to stop or the pool goes away."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    stacks = open(stack_file, "w")  # noqa: SIM115 - kept open for the life of the rank
+    stacks = open(os.environ["DDP_CONFORMANCE_STACK_FILE"], "w")  # noqa: SIM115 - lives with the rank
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
-    tasks = Connection(task_fd, readable=True, writable=False)
-    results = Connection(result_fd, readable=False, writable=True)
+    from .messages import Hello, Ready, Stop, receive, send
 
+    channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
+    send(channel, Hello(rank=int(os.environ["RANK"]), pid=os.getpid()))
     join_group()
     from . import runtime
-    from .messages import Ready, Stop, receive, send
 
-    send(results, Ready(pid=os.getpid()))
+    send(channel, Ready(pid=os.getpid()))
     while True:
         try:
-            message = receive(tasks)
+            message = receive(channel)
         except (EOFError, OSError):
-            return 0  # the parent closed the pipe: nothing more to do
+            return 0  # the pool closed the channel: nothing more to do
         if isinstance(message, Stop):
             runtime.leave_group()
             return 0
-        send(results, runtime.run_task(message))
+        send(channel, runtime.run_task(message))
+
+
+def main() -> int:
+    die_with_parent()
+    return serve()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -20,6 +20,7 @@ from .context import DdpPlan
 from .messages import FAILED, Task
 from .options import Settings
 from .supervisor import PoolRun, PoolStartError, RankPool
+from .zygote import Zygote
 from .verdict import Verdict, judge, prefixed_output
 
 MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
@@ -43,6 +44,21 @@ class DistributedSession:
         self.settings = settings
         self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
         self._hardware: Hardware | None = None
+        self._zygote: Zygote | None = None
+        self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
+
+    def zygote(self) -> Zygote | None:
+        """The session's fork server, started on first need; None means exec each rank (the fallback
+        when it cannot start, or when DDP_CONFORMANCE_SPAWN=exec asks for it)."""
+        if self._zygote is not None and not self._zygote.alive:
+            self._zygote.close()
+            self._zygote = None
+        if self._zygote is None and not self._zygote_failed:
+            try:
+                self._zygote = Zygote(start_timeout=self.settings.start_timeout)
+            except OSError:
+                self._zygote_failed = True
+        return self._zygote
 
     # -- decisions made in the parent ------------------------------------------------------------
     @property
@@ -84,14 +100,24 @@ class DistributedSession:
             start_timeout=self.settings.start_timeout,
             rank_threads=self.settings.rank_threads,
             cuda_devices=self.hardware.cuda_devices if backend == "nccl" else (),
+            zygote=self.zygote(),
         )
-        pool.launch()
+        try:
+            pool.launch()
+        except OSError:
+            if pool.zygote is None:
+                raise
+            self._zygote_failed = True  # fall back to exec'ing each rank
+            pool.zygote = None
+            pool.launch()
         self.pools[key] = pool
         return pool
 
     def prestart(self, world_sizes: list[int]) -> None:
-        """Launch the pools the collected tests will need, so ranks import torch and meet while
-        pytest is still setting up; nothing waits for them here."""
+        """Get the ranks of the pools the collected tests will need going while pytest is still setting
+        up: with the zygote, starting it (its torch import) is the slow part; without, the pools."""
+        if self.zygote() is not None:
+            return
         for world_size in world_sizes[:MAX_WARM_POOLS]:
             placement = self.place(world_size)
             if placement.skip_reason is None:
@@ -125,11 +151,9 @@ class DistributedSession:
         while self.pools:
             _, pool = self.pools.popitem()
             pool.stop()
-
-    def kill_all(self) -> None:
-        while self.pools:
-            _, pool = self.pools.popitem()
-            pool.kill()
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
 
 def make_task(item: pytest.Function) -> Task:

@@ -17,11 +17,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Protocol
 
-from .messages import RankReply, Ready, Stop, Task, receive, send
+from .messages import Hello, RankReply, Ready, Stop, Task, receive, send
+from .zygote import ForkedRank, Zygote
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 # After one rank has failed, how long the others get to answer before they count as stuck (typically
@@ -35,15 +38,26 @@ class PoolStartError(Exception):
     """The ranks did not all come up; the message says which and why."""
 
 
+class ProcessHandle(Protocol):
+    """What the supervisor needs of a rank process: `subprocess.Popen`, or a zygote's `ForkedRank`."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class RankProcess:
     rank: int
-    popen: subprocess.Popen[bytes]
-    tasks: Connection
-    results: Connection
+    popen: ProcessHandle
     log_path: Path
     stack_path: Path
     sentinel: int | None
+    conn: Connection | None = None  # set when the rank says hello on the pool's socket
     log_offset: int = 0
 
     @property
@@ -129,6 +143,7 @@ class RankPool:
         start_timeout: float,
         rank_threads: int | None,
         cuda_devices: tuple[str, ...] = (),
+        zygote: Zygote | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
@@ -137,9 +152,12 @@ class RankPool:
         self.cuda_devices = cuda_devices
         self.ranks: list[RankProcess] = []
         self.workdir: Path | None = None
+        self.zygote = zygote
         self.ready = False
         self.started_in = 0.0
         self._launched_at = 0.0
+        self._listener: socket.socket | None = None
+        self._address = ""
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,6 +170,7 @@ class RankPool:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ddp-conformance-ws{self.world_size}-"))
         store = self.workdir / "store"
         try:
+            self._listen()
             for rank in range(self.world_size):
                 self.ranks.append(self._spawn(rank, store))
         except BaseException:
@@ -169,6 +188,20 @@ class RankPool:
         self.ready = True
         self.started_in = time.monotonic() - self._launched_at
 
+    def _listen(self) -> None:
+        """The pool's socket, which every rank connects to. On Linux an abstract address: no file to
+        clean up, no path-length limit, nothing another pool could collide with."""
+        assert self.workdir is not None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if sys.platform.startswith("linux"):
+            self._address = f"@ddp-conformance-{os.getpid()}-{uuid.uuid4().hex}"
+            sock.bind("\0" + self._address[1:])
+        else:
+            self._address = str(self.workdir / "pool.sock")
+            sock.bind(self._address)
+        sock.listen(self.world_size)
+        self._listener = sock
+
     def _environment(self, rank: int, store: Path) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
@@ -181,6 +214,8 @@ class RankPool:
             MASTER_ADDR="127.0.0.1",
             PYTHONUNBUFFERED="1",
             DDP_CONFORMANCE_STORE=str(store),
+            DDP_CONFORMANCE_SOCKET=self._address,
+            DDP_CONFORMANCE_STACK_FILE=str(self.workdir / f"rank{rank}.stack") if self.workdir else "",
             DDP_CONFORMANCE_BACKEND=self.backend,
             DDP_CONFORMANCE_PARENT=str(os.getpid()),
             DDP_CONFORMANCE_PG_TIMEOUT=str(max(self.start_timeout, 30.0)),
@@ -198,61 +233,67 @@ class RankPool:
 
     def _spawn(self, rank: int, store: Path) -> RankProcess:
         assert self.workdir is not None
-        task_read, task_write = os.pipe()
-        result_read, result_write = os.pipe()
         log_path = self.workdir / f"rank{rank}.log"
         stack_path = self.workdir / f"rank{rank}.stack"
         stack_path.touch()
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "ddp_conformance.rank", str(task_read), str(result_write),
-                 str(stack_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(task_read, result_write),
-                env=self._environment(rank, store),
-                start_new_session=True,  # a rank's own children die with it (killpg)
-            )
-        os.close(task_read)
-        os.close(result_write)
+        log_path.touch()
+        env = self._environment(rank, store)
+        handle: ProcessHandle
+        if self.zygote is not None and self.zygote.alive:
+            handle = ForkedRank(self.zygote, self.zygote.fork(env, str(log_path)))
+        else:
+            with open(log_path, "wb") as log:
+                handle = subprocess.Popen(
+                    [sys.executable, "-m", "ddp_conformance.rank"],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    start_new_session=True,  # a rank's own children die with it (killpg)
+                )
         sentinel = None
         with contextlib.suppress(AttributeError, OSError):
-            sentinel = os.pidfd_open(popen.pid)
-        return RankProcess(
-            rank=rank,
-            popen=popen,
-            tasks=Connection(task_write, readable=False, writable=True),
-            results=Connection(result_read, readable=True, writable=False),
-            log_path=log_path,
-            stack_path=stack_path,
-            sentinel=sentinel,
-        )
+            sentinel = os.pidfd_open(handle.pid)
+        return RankProcess(rank=rank, popen=handle, log_path=log_path, stack_path=stack_path, sentinel=sentinel)
 
     def _await_ready(self, deadline: float) -> None:
-        waiting = {proc.rank: proc for proc in self.ranks}
+        """Accept each rank's hello on the pool socket, then wait for every rank to join the group."""
+        assert self._listener is not None
+        by_rank = {proc.rank: proc for proc in self.ranks}
+        strangers: list[Connection] = []
+        waiting = set(by_rank)
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stacks = self.dump_stacks(list(waiting))
-                lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in waiting]
+                stacks = self.dump_stacks(sorted(waiting))
+                lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in sorted(waiting)]
                 for rank, stack in stacks.items():
                     lines.append(f"rank {rank} stack:\n{stack}")
                 raise PoolStartError(self._start_failure("\n".join(lines)))
-            for rank, proc in list(waiting.items()):
-                if not proc.alive:
-                    raise PoolStartError(
-                        self._start_failure(f"rank {rank} died while starting ({proc.exit_description()})")
-                    )
-            ready = wait([proc.results for proc in waiting.values()], timeout=min(remaining, 0.1))
-            for conn in ready:
-                proc = next(p for p in waiting.values() if p.results is conn)
+            for rank in sorted(waiting):
+                if not by_rank[rank].alive:
+                    detail = by_rank[rank].exit_description()
+                    raise PoolStartError(self._start_failure(f"rank {rank} died while starting ({detail})"))
+            watch: list[object] = [self._listener, *strangers]
+            watch += [by_rank[r].conn for r in waiting if by_rank[r].conn is not None]
+            for ready in wait(watch, timeout=min(remaining, 0.1)):
+                if ready is self._listener:
+                    client, _ = self._listener.accept()
+                    strangers.append(Connection(client.detach()))
+                    continue
+                assert isinstance(ready, Connection)
                 try:
-                    message = receive(conn)
+                    message = receive(ready)
                 except (EOFError, OSError):
-                    continue  # the exit is picked up on the next pass, with its code
-                if isinstance(message, Ready):
-                    del waiting[proc.rank]
+                    if ready in strangers:
+                        strangers.remove(ready)
+                    continue  # its exit is picked up on the next pass, with its code
+                if isinstance(message, Hello) and ready in strangers:
+                    strangers.remove(ready)
+                    by_rank[message.rank].conn = ready
+                elif isinstance(message, Ready):
+                    waiting.discard(next(r for r, p in by_rank.items() if p.conn is ready))
+        for conn in strangers:
+            conn.close()
+        self._listener.close()
+        self._listener = None
 
     def _start_failure(self, headline: str) -> str:
         parts = [f"could not start {self.world_size} {self.backend} ranks: {headline}"]
@@ -273,7 +314,7 @@ class RankPool:
             proc.log_offset = proc.log_size()
         for proc in self.ranks:
             with contextlib.suppress(OSError):  # a dead rank's end is collected below
-                send(proc.tasks, task)
+                send(self._channel(proc), task)
         pending = {proc.rank: proc for proc in self.ranks}
         first_failure: float | None = None
         while pending:
@@ -285,14 +326,14 @@ class RankPool:
                 break
             watch: list[object] = []
             for proc in pending.values():
-                watch.append(proc.results)
+                watch.append(self._channel(proc))
                 if proc.sentinel is not None:
                     watch.append(proc.sentinel)
             ready = set(map(id, wait(watch, timeout=min(limit - now, 0.2))))
             for rank, proc in list(pending.items()):
-                if id(proc.results) in ready:
+                if id(proc.conn) in ready:
                     try:
-                        reply = receive(proc.results)
+                        reply = receive(self._channel(proc))
                     except (EOFError, OSError):
                         reply = None
                     if isinstance(reply, RankReply):
@@ -311,6 +352,11 @@ class RankPool:
         for proc in self.ranks:
             run.output[proc.rank] = proc.output_since(proc.log_offset)
         return run
+
+    @staticmethod
+    def _channel(proc: RankProcess) -> Connection:
+        assert proc.conn is not None, "a ready rank always has its channel"
+        return proc.conn
 
     def _collect_stuck(self, run: PoolRun, pending: dict[int, RankProcess], timeout: float,
                        after_failure: bool) -> None:
@@ -350,8 +396,8 @@ class RankPool:
     def stop(self) -> None:
         """Healthy pool: ranks leave the group themselves (bounded), then anything left is killed."""
         for proc in self.ranks:
-            with contextlib.suppress(OSError):
-                send(proc.tasks, Stop())
+            with contextlib.suppress(OSError, AssertionError):
+                send(self._channel(proc), Stop())
         end = time.monotonic() + STOP_GRACE_SECONDS
         for proc in self.ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -371,14 +417,17 @@ class RankPool:
         for proc in self.ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(timeout=10)
-            for closer in (proc.tasks.close, proc.results.close):
+            if proc.conn is not None:
                 with contextlib.suppress(OSError):
-                    closer()
+                    proc.conn.close()
             if proc.sentinel is not None:
                 with contextlib.suppress(OSError):
                     os.close(proc.sentinel)
                 proc.sentinel = None
         self.ranks = []
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

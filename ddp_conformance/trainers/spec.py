@@ -51,7 +51,9 @@ class _Builtin:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            missing = exc.name or str(exc)
+            missing = (exc.name or "").split(".")[0]
+            if not missing or missing == "ddp_conformance":
+                raise
             raise NotProvided(self.name, "", f"{missing} is not installed (pip install {missing})") from exc
         return getattr(module, attr)()
 
@@ -84,7 +86,7 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _import_file(spec: str, path: Path) -> ModuleType:
+def _import_file(spec: str, path: Path, shown: str) -> ModuleType:
     """Import a file under a name stable across processes; its directory goes on sys.path so the
     file can import its neighbours (`from helpers import X`) as it would when run as a script."""
     resolved = path.resolve()
@@ -99,14 +101,14 @@ def _import_file(spec: str, path: Path) -> ModuleType:
         sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:
-        raise SpecError(_message(spec, f"cannot import {resolved}: not a Python file"))
+        raise SpecError(_message(spec, f"cannot import {shown}: not a Python file"))
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         del sys.modules[name]
-        raise SpecError(_message(spec, f"cannot import {path}: {_one_line(exc)}")) from exc
+        raise SpecError(_message(spec, f"cannot import {shown}: {_one_line(exc)}")) from exc
     return module
 
 
@@ -145,7 +147,7 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
                                  + "), package.module:Attr or path/to/file.py:Attr"))
     if _is_file_spec(target):
         path = Path(target)
-        module = _import_file(spec, path if path.is_absolute() else Path(rootdir) / path)
+        module = _import_file(spec, path if path.is_absolute() else Path(rootdir) / path, target)
     else:
         module = _import_module(spec, target, Path(rootdir))
     if not hasattr(module, attr):

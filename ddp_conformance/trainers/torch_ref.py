@@ -11,6 +11,10 @@ What "right" means here, each point a check holds it to:
   model (no `module.` keys), optimizer, scheduler, epoch, global step, position inside the epoch and
   every rank's torch/numpy/python RNG states, so a resume reproduces the uninterrupted run bit for bit.
 
+Measured on CPU/gloo/fp32 (dropout 0.3, checkpoint mid-epoch): a resume equals the uninterrupted run
+bit for bit at world sizes 1 and 2; at 4 it differs by up to 1.2e-7, because gloo's ring all-reduce
+order follows DDP's bucket layout and a fresh DDP rebuilds its buckets only after its first iteration.
+
 Every decision is a small method so that a broken trainer (the mutants of the conformance suite) is a
 subclass overriding one of them: `make_sampler`, `set_epoch`, `make_model`, `loss`, `ddp_kwargs`,
 `wrap`, `after_backward`, `train_micro_batch`, `checkpoint_payload`, `model_state`,
@@ -38,7 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
-from ..adapter import FitObserver, StepInfo, TrainerAdapter, TrainState
+from ..adapter import FitObserver, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import ModelConfig, RunConfig
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,7 +262,7 @@ class TorchTrainer(TrainerAdapter):
     name = "torch"
     reduction = "mean"
 
-    def setup(self, config: RunConfig, ctx: Any) -> None:
+    def setup(self, config: RunConfig, ctx: RankContext) -> None:
         super().setup(config, ctx)
         self.device = torch.device(ctx.device)
         self.model: nn.Module | None = None

@@ -1,0 +1,181 @@
+"""A fork server for ranks: one process imports torch once, then forks ranks on request.
+
+`import torch` costs 2-3 s of CPU on a small CI runner; a pool of N ranks started by exec pays it N
+times, and again after every failure that forces a rebuild. Forking from a process that has torch
+imported (but never initialised threads, CUDA or a process group) makes a rank's start a few
+milliseconds. The zygote dies with pytest (parent-death signal) and its ranks die with it.
+
+Ranks are the zygote's children, so it reaps them and reports each exit status to the pool; the pool
+still watches them through pidfds and kills them directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from .messages import Exited, Fork, Forked, Ready, receive, send
+
+PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
+
+
+class Zygote:
+    """The pool's side of the fork server: start it, ask it for ranks, learn how they ended."""
+
+    def __init__(self, start_timeout: float) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, DDP_CONFORMANCE_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "ddp_conformance.zygote", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.exits: dict[int, int] = {}
+        self.start_timeout = start_timeout
+        self.ready = False  # it imports torch while pytest goes on; the first fork waits for it
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
+        try:
+            if not self.conn.poll(self.start_timeout):
+                raise OSError(f"the rank zygote did not start within {self.start_timeout:g} s")
+            message = receive(self.conn)
+        except (EOFError, OSError) as exc:
+            self.close()
+            raise OSError(f"the rank zygote failed to start: {exc}") from None
+        if not isinstance(message, Ready):
+            self.close()
+            raise OSError(f"the rank zygote said {message!r} instead of ready")
+        self.ready = True
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def fork(self, env: dict[str, str], log_path: str) -> int:
+        self.wait_ready()
+        send(self.conn, Fork(env=env, log_path=log_path))
+        while True:
+            message = receive(self.conn)
+            if isinstance(message, Forked):
+                return message.pid
+            self._note(message)
+
+    def _note(self, message: object) -> None:
+        if isinstance(message, Exited):
+            self.exits[message.pid] = os.waitstatus_to_exitcode(message.status)
+
+    def returncode(self, pid: int) -> int | None:
+        """The exit code of a forked rank (negative: killed by that signal), once reaped."""
+        with contextlib.suppress(EOFError, OSError):
+            while pid not in self.exits and self.conn.poll(0):
+                self._note(receive(self.conn))
+        return self.exits.get(pid)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=2)
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+class ForkedRank:
+    """A rank the zygote forked, with the subset of Popen the supervisor uses."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        code = self.zygote.returncode(self.pid)
+        if code is None and not self.zygote.alive:
+            return -9  # the zygote is gone, and with it (parent-death signal) every rank it forked
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, 9)
+
+
+# -- the zygote process ---------------------------------------------------------------------------
+def _child(request: Fork, conn: Connection) -> None:
+    """In the forked rank: never returns into the zygote's loop."""
+    code = 1
+    try:
+        conn.close()
+        os.setsid()  # its own process group, killed whole by the pool
+        log = os.open(request.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(request.env)
+        os.environ["DDP_CONFORMANCE_PARENT"] = str(os.getppid())
+        from . import rank
+
+        rank.die_with_parent()
+        code = rank.serve()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(conn: Connection) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send(conn, Exited(pid=pid, status=status))
+
+
+def main(fd: int) -> int:
+    from .rank import die_with_parent
+
+    die_with_parent()
+    conn = Connection(fd)
+    for name in PRELOAD:
+        __import__(name)
+    send(conn, Ready(pid=os.getpid()))
+    while True:
+        _reap(conn)
+        try:
+            if not conn.poll(0.02):
+                continue
+            request = receive(conn)
+        except (EOFError, OSError):
+            return 0  # the pool is gone; its ranks follow us (parent-death signal)
+        if isinstance(request, Fork):
+            pid = os.fork()
+            if pid == 0:
+                _child(request, conn)
+            send(conn, Forked(pid=pid))
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

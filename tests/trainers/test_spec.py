@@ -1,0 +1,157 @@
+"""--ddp-trainer SPEC resolution: built-ins, modules, files from any cwd; one-line errors otherwise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ddp_conformance.adapter import NotProvided, TrainerAdapter
+from ddp_conformance.trainers import SpecError, resolve_spec
+
+ADAPTER = """
+from ddp_conformance.adapter import TrainerAdapter
+
+class Mine(TrainerAdapter):
+    name = "mine"
+
+def factory():
+    return Mine()
+
+def bad_factory():
+    return 42
+
+def needs_args(config):
+    return Mine()
+
+class NotAnAdapter:
+    pass
+
+instance = Mine()
+number = 3
+"""
+
+
+@pytest.fixture
+def clean_imports(monkeypatch):
+    """Undo what resolving user SPECs does to sys.path and sys.modules."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def project(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def run_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_builtins_resolve_without_importing_torch_or_lightning():
+    out = run_python("""
+        import sys
+        from ddp_conformance.trainers import resolve_spec
+        factories = [resolve_spec(name, '.') for name in ('torch', 'lightning')]
+        print('torch' in sys.modules, 'lightning' in sys.modules, [f.name for f in factories])
+    """)
+    assert out == "False False ['torch', 'lightning']"
+
+
+def test_builtin_torch_builds_the_reference():
+    from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+    assert isinstance(resolve_spec("torch", ".")(), TorchTrainer)
+
+
+def test_missing_lightning_is_a_skip_reason_not_a_usage_error():
+    out = run_python("""
+        import sys
+        sys.modules['lightning'] = None  # as if it were not installed
+        from ddp_conformance.adapter import NotProvided
+        from ddp_conformance.trainers import resolve_spec
+        factory = resolve_spec('lightning', '.')
+        try:
+            factory()
+        except NotProvided as exc:
+            print(exc)
+    """)
+    assert out == "trainer lightning: lightning is not installed (pip install lightning)"
+
+
+def test_file_spec_relative_to_rootdir_from_any_cwd_with_neighbours(tmp_path, monkeypatch, clean_imports):
+    root = project(tmp_path / "repo", {
+        "ci/helpers_for_mine.py": "LABEL = 'from a neighbour'\n",
+        "ci/my_trainer.py": ADAPTER + "\nfrom helpers_for_mine import LABEL\n",
+    })
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    factory = resolve_spec("ci/my_trainer.py:Mine", root)
+    adapter = factory()
+    assert isinstance(adapter, TrainerAdapter) and adapter.name == "mine"
+    assert sys.modules[type(adapter).__module__].LABEL == "from a neighbour"
+    # the same file resolves to the same module (and class) again, as it must in every rank
+    assert resolve_spec(str(root / "ci/my_trainer.py") + ":Mine", tmp_path) is factory
+
+
+def test_module_spec_and_factory(tmp_path, clean_imports):
+    root = project(tmp_path, {"pkg_for_spec/__init__.py": "", "pkg_for_spec/adapters.py": ADAPTER})
+    assert resolve_spec("pkg_for_spec.adapters:Mine", root)().name == "mine"
+    assert resolve_spec("pkg_for_spec.adapters:factory", root)().name == "mine"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("tensorflow", "expected a built-in name (torch, lightning), package.module:Attr or path/to/file.py:Attr"),
+        ("mine.py", "expected a built-in name"),
+        ("missing.py:Mine", "no such file: "),
+        ("broken.py:Mine", "cannot import broken.py: SyntaxError: "),
+        ("imports_missing.py:Mine", "cannot import imports_missing.py: ModuleNotFoundError: No module named "
+                                    "'not_a_module_anywhere'"),
+        ("mine.py:Nope", "mine.py has no attribute 'Nope' (adapters there: Mine)"),
+        ("mine.py:NotAnAdapter", "NotAnAdapter is a class but not a TrainerAdapter subclass"),
+        ("mine.py:instance", "names an adapter instance; name its class or a zero-argument factory"),
+        ("mine.py:number", "names a int, not an adapter class or a zero-argument factory"),
+        ("mine.py:needs_args", "names a callable that needs arguments"),
+        ("mine.py:bad_factory", "the factory returned int, not a TrainerAdapter"),
+        ("no_such_package.mod:Mine", "cannot import no_such_package.mod: ModuleNotFoundError: "),
+    ],
+)
+def test_bad_specs_are_one_line_naming_the_spec(tmp_path, clean_imports, spec, reason):
+    root = project(tmp_path, {
+        "mine.py": ADAPTER,
+        "broken.py": "def oops(:\n",
+        "imports_missing.py": "import not_a_module_anywhere\n",
+    })
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(spec, root)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer SPEC {spec!r}: ")
+    assert reason in message
+
+
+def test_not_provided_is_the_default_for_everything_but_setup():
+    class Bare(TrainerAdapter):
+        pass
+
+    adapter = Bare()
+    with pytest.raises(NotProvided, match=r"^trainer Bare does not provide resume: the trainer cannot resume"):
+        adapter.resume(None, 3)  # type: ignore[arg-type]
+    for method, args in [("make_dataset", ()), ("make_model", ()), ("batch_indices", (None,)),
+                         ("collate", ([],)), ("loss", (None, None)), ("wrap", (None,)),
+                         ("train_step", (None, None)), ("fit", (3,))]:
+        with pytest.raises(NotProvided, match=f"does not provide {method}"):
+            getattr(adapter, method)(*args)
