@@ -74,7 +74,8 @@ def main() -> None:
     for n, values in samples.items():
         print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
     growth = [end - start for start, end in zip(samples[50], samples[max(samples)], strict=True)]
-    print(f"\ngrowth from test 50 to {max(samples)}: " + ", ".join(f"rank {r} {g:+.1f} MB" for r, g in enumerate(growth)))
+    per_rank = ", ".join(f"rank {r} {g:+.1f} MB" for r, g in enumerate(growth))
+    print(f"\ngrowth from test 50 to {max(samples)}: {per_rank}")
 
 
 if __name__ == "__main__":

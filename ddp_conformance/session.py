@@ -20,8 +20,8 @@ from .context import DdpPlan
 from .messages import FAILED, Task
 from .options import Settings
 from .supervisor import PoolRun, PoolStartError, RankPool
-from .zygote import Zygote
 from .verdict import Verdict, judge, prefixed_output
+from .zygote import Zygote
 
 MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
 
