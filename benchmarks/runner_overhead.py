@@ -4,7 +4,10 @@
 
 Columns, per world size:
   bare spawn   mp.spawn + init_process_group(gloo, FileStore) + destroy: the floor of a cold start
-  cold pool    RankPool launch until every rank has joined the group
+  cold pool    a session's first pool: start the zygote (it imports torch once), fork the ranks, until every
+               rank has joined the group
+  rebuild      a later pool from the warm zygote (what a failed test costs the next one)
+  exec pool    the same pool with each rank exec'd (DDP_CONFORMANCE_SPAWN=exec, the fallback)
   warm test    median wall time of one trivial marked test (one all_reduce) on the warm pool
   fresh test   a new group per test: spawn + init + the same test + destroy (MultiProcessTestCase style)
   all_reduce   one all_reduce of a float inside the group (the floor of any distributed test)
@@ -31,6 +34,7 @@ import torch.multiprocessing as mp
 from ddp_conformance.context import DdpPlan
 from ddp_conformance.messages import Task
 from ddp_conformance.supervisor import RankPool
+from ddp_conformance.zygote import Zygote
 
 TEST_SOURCE = """
 import torch
@@ -74,10 +78,21 @@ def task(module: Path, name: str, world_size: int) -> Task:
 def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
     figures: dict[str, float] = {}
     figures["bare"] = statistics.median(bare_spawn(world_size) for _ in range(2))
-    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1)
+    exec_pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1)
     began = time.perf_counter()
+    exec_pool.start()
+    figures["exec"] = time.perf_counter() - began
+    exec_pool.stop()
+    began = time.perf_counter()
+    zygote = Zygote(start_timeout=300)
+    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
     pool.start()
     figures["cold"] = time.perf_counter() - began
+    rebuilt = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    began = time.perf_counter()
+    rebuilt.start()
+    figures["rebuild"] = time.perf_counter() - began
+    rebuilt.stop()
     try:
         trivial = task(module, "test_trivial", world_size)
         for _ in range(5):
@@ -93,6 +108,7 @@ def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
         figures["all_reduce"] = floor.replies[0].figures["all_reduce_s"]
     finally:
         pool.stop()
+        zygote.close()
     figures["fresh"] = statistics.median(bare_spawn(world_size, run_test=True) for _ in range(2))
     return figures
 
@@ -122,14 +138,15 @@ def main() -> None:
         module = tmp / "bench_module.py"
         module.write_text(TEST_SOURCE)
         print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 1 thread per rank\n")
-        header = ("ws", "bare spawn s", "cold pool s", "cold/bare", "warm test ms", "fresh test s",
-                  "fresh/warm", "all_reduce ms", "warm/all_reduce")
+        header = ("ws", "bare spawn s", "cold pool s", "cold/bare", "rebuild s", "exec pool s", "warm test ms",
+                  "fresh test s", "fresh/warm", "all_reduce ms", "warm/all_reduce")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for size in args.sizes:
             f = measure(size, args.warm_tests, module)
             row = (size, f"{f['bare']:.2f}", f"{f['cold']:.2f}", f"{f['cold'] / f['bare']:.2f}x",
-                   f"{f['warm'] * 1e3:.2f}", f"{f['fresh']:.2f}", f"{f['fresh'] / f['warm']:.0f}x",
+                   f"{f['rebuild']:.2f}", f"{f['exec']:.2f}", f"{f['warm'] * 1e3:.2f}", f"{f['fresh']:.2f}",
+                   f"{f['fresh'] / f['warm']:.0f}x",
                    f"{f['all_reduce'] * 1e3:.2f}", f"{f['warm'] / f['all_reduce']:.1f}x")
             print("| " + " | ".join(map(str, row)) + " |", flush=True)
         with_plugin, without = collect_cost(tmp)
