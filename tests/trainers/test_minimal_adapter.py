@@ -15,11 +15,11 @@ EXAMPLE = ROOT / "examples" / "ci_gate"
 SPEC = "examples/ci_gate/conformance_adapter.py:MyTrainer"
 
 
-def test_the_doc_shows_the_example_file_verbatim():
-    doc = (ROOT / "docs" / "adapter.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+@pytest.mark.parametrize("doc", ["README.md", "docs/adapter.md"])
+def test_the_docs_show_the_example_files_verbatim(doc):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
     for name in ("train.py", "conformance_adapter.py"):
-        assert (EXAMPLE / name).read_text() in blocks, f"docs/adapter.md no longer shows {name} verbatim"
+        assert (EXAMPLE / name).read_text() in blocks, f"{doc} no longer shows {name} verbatim"
 
 
 @pytest.mark.ddp(world_size=2)

@@ -1,0 +1,118 @@
+"""Property tests of the sampler-disjointness logic (`ddp_conformance.checks.sampling`) against the
+real `torch.utils.data.DistributedSampler`: every configuration it can produce is accepted, and the
+broken samplers the mutants stand for are rejected with the diagnosis that names them.
+
+Pure and local: samplers are built for every rank in this process, no process group.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+
+from ddp_conformance.checks.sampling import ORDER_MIN_SIZE, analyse
+
+EPOCHS = 2
+
+
+def batches(indices: list[int], batch_size: int) -> list[list[int]]:
+    return [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+
+
+def distributed(size: int, world: int, batch: int, drop_last: bool, shuffle: bool, seed: int, epoch: int,
+                rank: int, *, seed_of=lambda seed, rank: seed, set_epoch: bool = True, replicas=None):
+    sampler = DistributedSampler(range(size), num_replicas=replicas or world, rank=rank, shuffle=shuffle,
+                                 seed=seed_of(seed, rank), drop_last=drop_last)
+    if set_epoch:
+        sampler.set_epoch(epoch)
+    return batches(list(sampler), batch)
+
+
+def epochs_of(size, world, batch, drop_last, shuffle, seed, **broken):
+    return [[distributed(size, world, batch, drop_last, shuffle, seed, e, r, **broken) for r in range(world)]
+            for e in range(EPOCHS)]
+
+
+configs = st.fixed_dictionaries({
+    "size": st.integers(1, 300), "world": st.integers(1, 8), "batch": st.integers(1, 16),
+    "drop_last": st.booleans(), "shuffle": st.booleans(), "seed": st.integers(0, 2**31 - 1),
+})
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs)
+def test_every_distributed_sampler_configuration_passes(c):
+    assume(not c["drop_last"] or c["size"] >= c["world"])  # N < R with drop_last: every loader is empty
+    verdict = analyse(epochs_of(**c), c["size"], c["shuffle"])
+    assert verdict.ok, verdict.diagnosis
+    padding = math.ceil(c["size"] / c["world"]) * c["world"] - c["size"]
+    assert verdict.figures["padding_duplicates"] == (0 if c["drop_last"] else padding)
+    assert verdict.figures["uncovered"] == (c["size"] % c["world"] if c["drop_last"] else 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_no_distributed_sampler_is_named(c):
+    """Every rank iterating the dataset with the same shuffle (a plain shuffling loader)."""
+    assume(c["world"] >= 2 and c["size"] >= 2)
+    one = [distributed(c["size"], 1, c["batch"], False, c["shuffle"], c["seed"], e, 0) for e in range(EPOCHS)]
+    verdict = analyse([[one[e]] * c["world"] for e in range(EPOCHS)], c["size"], c["shuffle"])
+    assert not verdict.ok
+    assert "no DistributedSampler" in verdict.diagnosis
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_a_per_rank_seed_is_named(c):
+    assume(c["world"] >= 2 and c["size"] >= 20 * c["world"])
+    verdict = analyse(epochs_of(**{**c, "shuffle": True}, seed_of=lambda seed, rank: seed + rank),
+                      c["size"], True)
+    assert not verdict.ok
+    assert "different permutations" in verdict.diagnosis
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_set_epoch_never_called_is_named(c):
+    assume(c["size"] >= max(ORDER_MIN_SIZE, 2 * c["world"]) and (not c["drop_last"] or c["size"] >= 2 * c["world"]))
+    verdict = analyse(epochs_of(**{**c, "shuffle": True}, set_epoch=False), c["size"], True)
+    assert not verdict.ok
+    assert "set_epoch(epoch) is never called" in verdict.diagnosis
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_a_wrong_num_replicas_leaves_samples_unseen(c):
+    """Built for a bigger world (e.g. num_replicas from a stale config): a share of the data is never read."""
+    assume(c["world"] >= 1 and c["size"] >= 4 * (c["world"] + 1))
+    verdict = analyse(epochs_of(**c, replicas=c["world"] + 1), c["size"], c["shuffle"])
+    assert not verdict.ok
+    assert "reach no rank" in verdict.diagnosis
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs)
+def test_uneven_batch_counts_are_named(c):
+    """The last rank's final batch split in two (a per-rank batch size): same samples, one more batch."""
+    assume(c["world"] >= 2 and math.ceil(c["size"] / c["world"]) >= 2)
+    epochs = epochs_of(**{**c, "drop_last": False})
+    for ranks in epochs:
+        last = ranks[-1][-1]
+        if len(last) < 2:
+            ranks[-1][-1:] = [last[:1], []]  # an empty trailing batch still counts as a batch
+        else:
+            ranks[-1][-1:] = [last[:1], last[1:]]
+    verdict = analyse(epochs, c["size"], c["shuffle"])
+    assert not verdict.ok
+    assert "uneven batch counts" in verdict.diagnosis
+
+
+def test_the_documented_tiny_wrap_is_padding_not_a_bug():
+    """N=2, R=5 -> [[0],[1],[0],[1],[0]] (ddp-facts.md): identical ranks, but exactly DistributedSampler."""
+    ranks = [[[0]], [[1]], [[0]], [[1]], [[0]]]
+    verdict = analyse([ranks, ranks], 2, shuffle=False)
+    assert verdict.ok, verdict.diagnosis
+    assert verdict.figures["padding_duplicates"] == 3
