@@ -59,14 +59,23 @@ def test_xdist_workers_each_run_their_own_pool(pytester: pytest.Pytester) -> Non
         import torch
         import torch.distributed as dist
 
-        @pytest.mark.parametrize("n", range(4))
-        @pytest.mark.ddp(world_size=2)
+        @pytest.mark.parametrize("n", range(6))
+        @pytest.mark.ddp
         def test_many(ddp, n, tmp_path):
+            assert ddp.world_size == 4
             t = torch.tensor([float(n)])
             dist.all_reduce(t)
-            assert t.item() == 2 * n
-            assert os.environ["PYTEST_XDIST_WORKER"].startswith("gw")
+            assert t.item() == 4 * n
+            print("worker", os.environ["PYTEST_XDIST_WORKER"], "pool", os.environ["DDP_CONFORMANCE_STORE"])
         """
     )
-    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--ddp-backend", "gloo")
-    result.assert_outcomes(passed=4)
+    result = pytester.runpytest_subprocess("-n", "2", "-rP", "-p", "no:cacheprovider", "--ddp-world-size", "4")
+    result.assert_outcomes(passed=6)
+    pools = {}
+    for line in result.stdout.lines:
+        if "[rank 0] worker gw" in line:
+            worker, pool = line.split("worker ", 1)[1].split(" pool ")
+            pools.setdefault(worker, set()).add(pool)
+    # both workers ran tests, each on its own pool: their rendezvous never met
+    assert len(pools) == 2, result.stdout.str()
+    assert not set.intersection(*pools.values())
