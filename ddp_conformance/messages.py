@@ -29,6 +29,10 @@ class Task:
     cwd: str
     tbstyle: str = "long"
     verbosity: int = 0
+    instance: bytes | None = None  # the pytest-made instance of the test's class (setup_method state)
+    # modules of the user's tree the parent imported: name -> (file, asserts rewritten). Lets a rank
+    # import what pytest imported its own way (importlib mode, conftests, packages without sys.path)
+    local_modules: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class RankReply:
     message: str = ""
     duration: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
+    exc_type: tuple[str, str] | None = None  # (module, qualname) of a failure's exception
     group_healthy: bool = True
     health_note: str = ""
     sequence: int | None = None

@@ -7,6 +7,7 @@ in `runtime`. Loading this module imports neither torch nor lightning.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,8 @@ import pytest
 from . import external, options
 from .context import DdpPlan
 from .messages import SKIPPED, XFAILED
+
+pytest_plugins = ["ddp_conformance.report"]
 
 SESSION_KEY = pytest.StashKey["DistributedSession"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalRanks"]()
@@ -31,6 +34,31 @@ MARKER_HELP = (
 
 class DistributedTestFailure(Exception):
     """Raised in the parent when ranks failed; its report is the verdict, not this traceback."""
+
+    verdict_text = ""
+
+
+def _failure(text: str, exc_type: tuple[str, str] | None) -> DistributedTestFailure:
+    """The parent's exception for a failed distributed test. Where the ranks' exception class can be
+    found here, the failure is also an instance of it, so `xfail(raises=ValueError)` and
+    `pytest.raises`-style expectations see the type the ranks raised."""
+    cls: type[DistributedTestFailure] = DistributedTestFailure
+    if exc_type is not None:
+        target: Any = sys.modules.get(exc_type[0])
+        for part in exc_type[1].split("."):
+            target = getattr(target, part, None)
+        if isinstance(target, type) and issubclass(target, Exception) and target is not Exception:
+            try:
+                cls = type(target.__name__, (DistributedTestFailure, target), {})
+            except TypeError:
+                cls = DistributedTestFailure
+    try:
+        failure = Exception.__new__(cls)
+        Exception.__init__(failure, text.splitlines()[0] if text else "")
+    except Exception:
+        failure = DistributedTestFailure(text.splitlines()[0] if text else "")
+    failure.verdict_text = text
+    return failure
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -101,6 +129,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if marker is None:
         return
     sizes = _marker_sizes(marker, metafunc.definition.nodeid)
+    _marker_timeout(marker, metafunc.definition.nodeid)
     if sizes is None or len(sizes) == 1:
         return
     # parametrize needs an argument the test requests: the `ddp` fixture, indirectly
@@ -117,6 +146,22 @@ def _launcher_world_size(item: pytest.Item) -> int | None:
     marker = item.get_closest_marker("ddp")
     sizes = _marker_sizes(marker, item.nodeid) if marker is not None else None
     return sizes[0] if sizes else None
+
+
+def _marker_timeout(marker: pytest.Mark, where: str) -> float | None:
+    value = marker.kwargs.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise pytest.UsageError(f"{where}: @pytest.mark.ddp(timeout=...) expects a number of seconds > 0, "
+                                f"got {value!r}")
+    return float(value)
+
+
+def _test_timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("ddp")
+    own = _marker_timeout(marker, item.nodeid) if marker is not None else None
+    return own or item.config.stash[SETTINGS_KEY].timeout
 
 
 def _plan_world_size(item: pytest.Item) -> int | None:
@@ -136,14 +181,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly or EXTERNAL_KEY in session.config.stash:
         return
     sizes: list[int] = []
+    timeouts: list[float] = []
     for item in session.items:
         size = _plan_world_size(item)
         if size is not None and size not in sizes:
             sizes.append(size)
+        if size is not None:
+            timeouts.append(_test_timeout(item))
     if sizes:
         from .backend import xdist_worker
 
-        _session(session.config).prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
+        controller = _session(session.config)
+        controller.longest_timeout = max([controller.longest_timeout, *timeouts])
+        controller.prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -204,8 +254,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     from .session import UnpicklableFixture
 
-    marker = pyfuncitem.get_closest_marker("ddp")
-    timeout = float(marker.kwargs.get("timeout") or pyfuncitem.config.stash[SETTINGS_KEY].timeout)
+    timeout = _test_timeout(pyfuncitem)
     try:
         dispatch = _session(pyfuncitem.config).run(pyfuncitem, plan, timeout)
     except UnpicklableFixture as exc:
@@ -215,6 +264,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if problem is not None:
         pytest.fail(problem, pytrace=False)
     pyfuncitem.stash[DISPATCH_KEY] = dispatch
+    if dispatch.notes:
+        pyfuncitem.add_report_section("call", "ddp pool", "\n".join(dispatch.notes))
     if dispatch.output:
         pyfuncitem.add_report_section("call", "output (ranks)", dispatch.output)
     verdict = dispatch.verdict
@@ -225,7 +276,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.outcome == XFAILED:
         pytest.xfail(verdict.headline)
     if verdict.failing_ranks or verdict.outcome == "failed":
-        raise DistributedTestFailure(verdict.render())
+        raise _failure(verdict.render(), verdict.exc_type)
     return True
 
 
@@ -233,7 +284,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
-        report.longrepr = str(call.excinfo.value)
+        report.longrepr = call.excinfo.value.verdict_text
     launched = item.config.stash.get(EXTERNAL_KEY, None)
     if launched is not None and call.when == "call" and item.get_closest_marker("ddp") is not None:
         summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))

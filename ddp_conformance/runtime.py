@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import os
 import pickle
@@ -36,29 +39,87 @@ def load_module(path: str, name: str) -> types.ModuleType:
     cached = _modules.get(path)
     if cached and cached[0] == mtime:
         return cached[1]
-    from _pytest.assertion.rewrite import rewrite_asserts
-
-    with open(path, "rb") as handle:
-        source = handle.read()
-    tree = ast.parse(source, filename=path)
-    rewrite_asserts(tree, source, path, None)
+    _ensure_parents(name, path)
     module = types.ModuleType(name)
     module.__file__ = path
     module.__package__ = name.rpartition(".")[0]
     sys.modules[name] = module  # so objects defined there pickle and import by name
-    exec(compile(tree, path, "exec", dont_inherit=True), module.__dict__)
+    exec(_compile(path, rewrite=True), module.__dict__)
     _modules[path] = (mtime, module)
     return module
 
 
-def resolve(module: types.ModuleType, qualname: str) -> Any:
+def resolve(module: types.ModuleType, qualname: str, instance: Any = None) -> Any:
+    if instance is not None:  # the parent's instance, with whatever setup_method and fixtures put there
+        return getattr(instance, qualname.rsplit(".", 1)[-1])
     owner: Any = module
     parts = qualname.split(".")
     for part in parts[:-1]:
         owner = getattr(owner, part)
     if isinstance(owner, type):
-        owner = owner()  # pytest makes a fresh instance per test; so does the rank
+        owner = owner()
     return getattr(owner, parts[-1])
+
+
+class _LocalModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports, by name, the modules of the user's tree that the parent imported (conftests, test
+    helpers, packages), from the files the parent used, rewriting asserts where pytest did."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[str, bool]] = {}
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in self.files:
+            return None
+        file, _ = self.files[name]
+        is_package = os.path.basename(file) == "__init__.py"
+        spec = importlib.util.spec_from_file_location(
+            name, file, loader=self, submodule_search_locations=[os.path.dirname(file)] if is_package else None)
+        return spec
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        file, rewritten = self.files[module.__name__]
+        exec(_compile(file, rewritten), module.__dict__)
+
+
+_local_modules = _LocalModules()
+
+
+def _compile(path: str, rewrite: bool) -> Any:
+    with open(path, "rb") as handle:
+        source = handle.read()
+    tree = ast.parse(source, filename=path)
+    if rewrite:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, path, None)
+    return compile(tree, path, "exec", dont_inherit=True)
+
+
+def know_local_modules(files: dict[str, tuple[str, bool]]) -> None:
+    _local_modules.files.update(files)
+    if _local_modules not in sys.meta_path:
+        sys.meta_path.insert(0, _local_modules)
+
+
+def _ensure_parents(name: str, path: str) -> None:
+    """Make `a` and `a.b` importable for a module `a.b.c` (relative imports need them), from the
+    parent's files where it had them, else as bare packages over the matching directories."""
+    parts = name.split(".")
+    directory = os.path.dirname(path)
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = ".".join(parts[:depth])
+        if parent not in sys.modules:
+            try:
+                importlib.import_module(parent)
+            except ImportError:
+                package = types.ModuleType(parent)
+                package.__path__ = [directory]
+                sys.modules[parent] = package
+        directory = os.path.dirname(directory)
 
 
 class _ShimConfig:
@@ -159,9 +220,9 @@ def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
 
     if not dist.is_initialized():
         return False, "the test destroyed the default process group", None
-    # a non-daemon thread the test left behind may be blocked in a collective of this group
-    leftover = [t for t in threading.enumerate()
-                if t.ident not in threads_before and t.is_alive() and not t.daemon]
+    # a thread the test left behind may be blocked in a collective of this group, or may kill the
+    # rank during the next test; a rebuild from the zygote costs a tenth of a second
+    leftover = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
     if leftover:
         return False, f"the test left {len(leftover)} thread(s) running", None
     sequence = None
@@ -185,18 +246,26 @@ def run_task(task: Task) -> RankReply:
         sys.path[:] = list(task.sys_path)
         os.chdir(task.cwd)
         install_reprcompare(task.verbosity)
-        func = resolve(load_module(task.module_path, task.module_name), task.qualname)
+        know_local_modules(task.local_modules)
+        module = load_module(task.module_path, task.module_name)
+        func = resolve(module, task.qualname, pickle.loads(task.instance) if task.instance else None)
         kwargs = pickle.loads(task.funcargs)
         for name, value in kwargs.items():
             if isinstance(value, DdpPlan):
                 kwargs[name] = ctx
-        func(**kwargs)
+        try:
+            func(**kwargs)
+        finally:
+            for value in kwargs.values():
+                if isinstance(value, pytest.MonkeyPatch):
+                    value.undo()  # the rank's copy: its patches must not outlive the test here either
     except pytest.skip.Exception as exc:
         reply.outcome, reply.message = SKIPPED, str(exc.msg)
     except pytest.xfail.Exception as exc:
         reply.outcome, reply.message = XFAILED, str(exc.msg)
     except BaseException as exc:
         reply.outcome = FAILED
+        reply.exc_type = (type(exc).__module__, type(exc).__qualname__)
         reply.message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         try:
             reply.longrepr = format_failure(exc, func, task.tbstyle) if func else reply.message
@@ -213,6 +282,14 @@ def run_task(task: Task) -> RankReply:
         os.environ.clear()
         os.environ.update(environ)  # Lightning's teardown deletes WORLD_SIZE, for one
     reply.figures = dict(ctx.figures)
+    for key, value in list(reply.figures.items()):
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            del reply.figures[key]
+            reply.outcome = FAILED
+            reply.message = f"ddp.figures[{key!r}] cannot be sent back: {type(exc).__name__}: {exc}"
+            reply.longrepr = reply.shortrepr = reply.message + " (figures must be picklable: numbers, strings...)"
     reply.group_healthy, reply.health_note, reply.sequence = _health(threads_before)
     if ctx.unusable_group:
         reply.group_healthy, reply.health_note = False, ctx.unusable_group

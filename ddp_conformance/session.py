@@ -10,7 +10,8 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +38,7 @@ class Dispatch:
     verdict: Verdict
     output: str
     run: PoolRun | None
+    notes: list[str] = field(default_factory=list)
 
 
 class DistributedSession:
@@ -45,6 +47,8 @@ class DistributedSession:
         self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
         self._hardware: Hardware | None = None
         self._zygote: Zygote | None = None
+        self.last_test: dict[tuple[int, str], str] = {}
+        self.longest_timeout = settings.timeout  # raised to the longest marked test's at collection
         self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
 
     def zygote(self) -> Zygote | None:
@@ -101,6 +105,7 @@ class DistributedSession:
             rank_threads=self.settings.rank_threads,
             cuda_devices=self.hardware.cuda_devices if backend == "nccl" else (),
             zygote=self.zygote(),
+            group_timeout=self.longest_timeout,
         )
         try:
             pool.launch()
@@ -116,9 +121,10 @@ class DistributedSession:
     def prestart(self, world_sizes: list[int]) -> None:
         """Get the ranks of the pools the collected tests will need going while pytest is still setting
         up: with the zygote, starting it (its torch import) is the slow part; without, the pools."""
-        if self.zygote() is not None:
-            return
-        for world_size in world_sizes[:MAX_WARM_POOLS]:
+        runnable = [size for size in world_sizes if self.place(size).skip_reason is None]
+        if not runnable or self.zygote() is not None:
+            return  # nothing to start (all skip in the parent), or the zygote's start is the slow part
+        for world_size in runnable[:MAX_WARM_POOLS]:
             placement = self.place(world_size)
             if placement.skip_reason is None:
                 try:
@@ -133,19 +139,28 @@ class DistributedSession:
 
     def run(self, item: pytest.Function, plan: DdpPlan, timeout: float) -> Dispatch:
         task = make_task(item)
+        notes: list[str] = []
         try:
             pool = self.pool(plan.world_size, plan.backend)
+            dead = pool.dead_ranks()
+            if dead:  # died after their last test: not this test's fault, so start afresh
+                self.discard(plan.world_size, plan.backend)
+                notes.append(f"{', '.join(dead)} of the warm pool died after the previous test "
+                             f"({self.last_test.get((plan.world_size, plan.backend), 'unknown')}); "
+                             "the pool was rebuilt for this test")
+                pool = self.pool(plan.world_size, plan.backend)
         except PoolStartError as exc:
             verdict = Verdict(FAILED, headline=str(exc).splitlines()[0], body="\n".join(str(exc).splitlines()[1:]))
-            return Dispatch(verdict, "", None)
+            return Dispatch(verdict, "", None, notes)
         try:
             run = pool.run(task, timeout)
         except BaseException:
             self.discard(plan.world_size, plan.backend)  # interrupted mid-test: the group is unknown
             raise
+        self.last_test[(plan.world_size, plan.backend)] = item.nodeid
         if run.poisoned:
             self.discard(plan.world_size, plan.backend)
-        return Dispatch(judge(run, plan.world_size), prefixed_output(run), run)
+        return Dispatch(judge(run, plan.world_size), prefixed_output(run), run, notes)
 
     def close(self) -> None:
         while self.pools:
@@ -173,6 +188,15 @@ def make_task(item: pytest.Function) -> Task:
     if item.cls is not None:
         qualname = f"{item.cls.__qualname__}.{qualname}"
     tbstyle = item.config.getoption("tbstyle", "auto")
+    instance = None
+    if item.instance is not None:
+        try:
+            instance = pickle.dumps(item.instance)
+        except Exception as exc:
+            raise UnpicklableFixture(
+                f"the instance of {item.cls.__qualname__ if item.cls else 'the test class'} cannot be sent to the "
+                f"ranks ({type(exc).__name__}: {exc}); keep its attributes picklable"
+            ) from None
     return Task(
         nodeid=item.nodeid,
         module_path=module.__file__,
@@ -183,4 +207,20 @@ def make_task(item: pytest.Function) -> Task:
         cwd=os.getcwd(),
         tbstyle="long" if tbstyle == "auto" else tbstyle,
         verbosity=item.config.get_verbosity(),
+        instance=instance,
+        local_modules=_local_modules(item.config.rootpath),
     )
+
+
+def _local_modules(root: Path) -> dict[str, tuple[str, bool]]:
+    """The user's modules (under rootdir, not installed packages) the parent imported, by name."""
+    found: dict[str, tuple[str, bool]] = {}
+    prefix = str(root) + os.sep
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or not file.startswith(prefix) or not file.endswith(".py") or "site-packages" in file:
+            continue
+        if name == "ddp_conformance" or name.startswith("ddp_conformance."):
+            continue  # the plugin itself imports normally
+        found[name] = (file, "@py_builtins" in vars(module))
+    return found

@@ -13,11 +13,12 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -110,6 +111,7 @@ class PoolRun:
     output: dict[int, str] = field(default_factory=dict)
     timed_out: bool = False
     duration: float = 0.0
+    arrival: list[int] = field(default_factory=list)  # ranks in the order their answer or end came
 
     @property
     def poisoned(self) -> bool:
@@ -144,6 +146,7 @@ class RankPool:
         rank_threads: int | None,
         cuda_devices: tuple[str, ...] = (),
         zygote: Zygote | None = None,
+        group_timeout: float | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
@@ -153,6 +156,9 @@ class RankPool:
         self.ranks: list[RankProcess] = []
         self.workdir: Path | None = None
         self.zygote = zygote
+        # collectives must not give up before the test's own wall-clock limit: the supervisor, not
+        # the group, decides when a test has hung
+        self.group_timeout = max(group_timeout or 0.0, start_timeout, 30.0)
         self.ready = False
         self.started_in = 0.0
         self._launched_at = 0.0
@@ -168,6 +174,9 @@ class RankPool:
         """Spawn the ranks and return at once: they import torch and meet while pytest goes on."""
         self._launched_at = time.monotonic()
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ddp-conformance-ws{self.world_size}-"))
+        if len(str(self.workdir / "pool.sock")) > 100 and os.path.isdir("/tmp"):  # AF_UNIX path limit
+            os.rmdir(self.workdir)
+            self.workdir = Path(tempfile.mkdtemp(prefix="ddpc-", dir="/tmp"))
         store = self.workdir / "store"
         try:
             self._listen()
@@ -189,18 +198,30 @@ class RankPool:
         self.started_in = time.monotonic() - self._launched_at
 
     def _listen(self) -> None:
-        """The pool's socket, which every rank connects to. On Linux an abstract address: no file to
-        clean up, no path-length limit, nothing another pool could collide with."""
+        """The pool's socket, which every rank connects to: a path inside the pool's private (0700)
+        directory, so no other user can reach it, and on Linux only the pool's own rank pids are
+        accepted (SO_PEERCRED). Nothing a stranger sends is ever unpickled."""
         assert self.workdir is not None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if sys.platform.startswith("linux"):
-            self._address = f"@ddp-conformance-{os.getpid()}-{uuid.uuid4().hex}"
-            sock.bind("\0" + self._address[1:])
-        else:
-            self._address = str(self.workdir / "pool.sock")
-            sock.bind(self._address)
+        self._address = str(self.workdir / "pool.sock")
+        sock.bind(self._address)
         sock.listen(self.world_size)
         self._listener = sock
+
+    def _accept(self) -> tuple[Connection, int | None] | None:
+        """A rank's connection and its rank (from its pid, where the kernel tells), or None for a
+        connection that is not one of ours (closed unread)."""
+        assert self._listener is not None
+        client, _ = self._listener.accept()
+        peer_credentials = getattr(socket, "SO_PEERCRED", None)
+        if peer_credentials is None:
+            return Connection(client.detach()), None  # the 0700 directory is the only gate here
+        pid = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, peer_credentials, struct.calcsize("3i")))[0]
+        for proc in self.ranks:
+            if proc.popen.pid == pid and proc.conn is None:
+                return Connection(client.detach()), proc.rank
+        client.close()
+        return None
 
     def _environment(self, rank: int, store: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -218,7 +239,7 @@ class RankPool:
             DDP_CONFORMANCE_STACK_FILE=str(self.workdir / f"rank{rank}.stack") if self.workdir else "",
             DDP_CONFORMANCE_BACKEND=self.backend,
             DDP_CONFORMANCE_PARENT=str(os.getpid()),
-            DDP_CONFORMANCE_PG_TIMEOUT=str(max(self.start_timeout, 30.0)),
+            DDP_CONFORMANCE_PG_TIMEOUT=str(self.group_timeout),
         )
         env.pop("TORCHELASTIC_RUN_ID", None)  # ranks are ours, not an elastic agent's
         if self.rank_threads is not None:
@@ -259,41 +280,57 @@ class RankPool:
         by_rank = {proc.rank: proc for proc in self.ranks}
         strangers: list[Connection] = []
         waiting = set(by_rank)
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stacks = self.dump_stacks(sorted(waiting))
-                lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in sorted(waiting)]
-                for rank, stack in stacks.items():
-                    lines.append(f"rank {rank} stack:\n{stack}")
-                raise PoolStartError(self._start_failure("\n".join(lines)))
-            for rank in sorted(waiting):
-                if not by_rank[rank].alive:
-                    detail = by_rank[rank].exit_description()
-                    raise PoolStartError(self._start_failure(f"rank {rank} died while starting ({detail})"))
-            watch: list[object] = [self._listener, *strangers]
-            watch += [by_rank[r].conn for r in waiting if by_rank[r].conn is not None]
-            for ready in wait(watch, timeout=min(remaining, 0.1)):
-                if ready is self._listener:
-                    client, _ = self._listener.accept()
-                    strangers.append(Connection(client.detach()))
-                    continue
-                assert isinstance(ready, Connection)
-                try:
-                    message = receive(ready)
-                except (EOFError, OSError):
-                    if ready in strangers:
+        try:
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    stacks = self.dump_stacks(sorted(waiting))
+                    lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in sorted(waiting)]
+                    for rank, stack in stacks.items():
+                        lines.append(f"rank {rank} stack:\n{stack}")
+                    raise PoolStartError(self._start_failure("\n".join(lines)))
+                for rank in sorted(waiting):
+                    if not by_rank[rank].alive:
+                        detail = by_rank[rank].exit_description()
+                        raise PoolStartError(self._start_failure(f"rank {rank} died while starting ({detail})"))
+                watch: list[object] = [self._listener, *strangers]
+                watch += [by_rank[r].conn for r in waiting if by_rank[r].conn is not None]
+                for ready in wait(watch, timeout=min(remaining, 0.1)):
+                    if ready is self._listener:
+                        accepted = self._accept()
+                        if accepted is None:
+                            continue
+                        conn, known_rank = accepted
+                        if known_rank is None:
+                            strangers.append(conn)
+                        else:
+                            by_rank[known_rank].conn = conn
+                        continue
+                    assert isinstance(ready, Connection)
+                    try:
+                        message = receive(ready)
+                    except (EOFError, OSError):
+                        if ready in strangers:
+                            strangers.remove(ready)
+                        continue  # its exit is picked up on the next pass, with its code
+                    if isinstance(message, Hello) and ready in strangers:
                         strangers.remove(ready)
-                    continue  # its exit is picked up on the next pass, with its code
-                if isinstance(message, Hello) and ready in strangers:
-                    strangers.remove(ready)
-                    by_rank[message.rank].conn = ready
-                elif isinstance(message, Ready):
-                    waiting.discard(next(r for r, p in by_rank.items() if p.conn is ready))
+                        if message.rank in by_rank and by_rank[message.rank].conn is None:
+                            by_rank[message.rank].conn = ready
+                        else:
+                            ready.close()
+                    elif isinstance(message, Ready):
+                        waiting.discard(next(r for r, p in by_rank.items() if p.conn is ready))
+        finally:
+            self._close_listener(strangers)
+
+    def _close_listener(self, strangers: Sequence[Connection] = ()) -> None:
         for conn in strangers:
-            conn.close()
-        self._listener.close()
-        self._listener = None
+            with contextlib.suppress(OSError):
+                conn.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def _start_failure(self, headline: str) -> str:
         parts = [f"could not start {self.world_size} {self.backend} ranks: {headline}"]
@@ -338,6 +375,7 @@ class RankPool:
                         reply = None
                     if isinstance(reply, RankReply):
                         run.replies[rank] = reply
+                        run.arrival.append(rank)
                         del pending[rank]
                         if reply.outcome == "failed" and first_failure is None:
                             first_failure = time.monotonic()
@@ -345,6 +383,7 @@ class RankPool:
                 if not proc.alive or (proc.sentinel is not None and id(proc.sentinel) in ready):
                     proc.popen.wait()
                     run.ends[rank] = RankEnd(rank, "crashed", proc.exit_description())
+                    run.arrival.append(rank)
                     del pending[rank]
                     if first_failure is None:
                         first_failure = time.monotonic()
@@ -370,6 +409,10 @@ class RankPool:
             else:
                 detail = f"timed out after {timeout:g} s"
             run.ends[rank] = RankEnd(rank, "hung", detail, stacks.get(rank, ""))
+
+    def dead_ranks(self) -> list[str]:
+        """Ranks that died since their last answer (a thread a test left behind, an OOM kill...)."""
+        return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if not proc.alive]
 
     def dump_stacks(self, ranks: list[int], settle: float = 0.5) -> dict[int, str]:
         """Ask live ranks for their Python stacks (faulthandler, registered on a signal in each rank)."""
@@ -425,9 +468,7 @@ class RankPool:
                     os.close(proc.sentinel)
                 proc.sentinel = None
         self.ranks = []
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._close_listener()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

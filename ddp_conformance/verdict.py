@@ -25,6 +25,7 @@ class Verdict:
     headline: str = ""
     body: str = ""
     failing_ranks: list[int] = field(default_factory=list)
+    exc_type: tuple[str, str] | None = None  # the first failing rank's exception, for xfail(raises=)
     figures: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def render(self) -> str:
@@ -76,8 +77,10 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     causes: list[str] = []
     if crashed:
         causes.append("; ".join(f"rank {r} died ({run.ends[r].detail})" for r in crashed))
+    first = -1
     if failed:
-        first = min(failed)
+        # the earliest failure is the likeliest cause; later ones are often its echo
+        first = next((r for r in run.arrival if r in failed), min(failed))
         causes.append(f"{ranks_label(sorted(failed))} failed: {_clip(failed[first].message)}")
     if hung:
         reason = "timed out" if run.timed_out else "stuck after another rank failed"
@@ -99,8 +102,9 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
         sections.append(f"{'_' * 20} {ranks_label(ranks)} {'_' * 20}\n{text.rstrip()}")
     for rank in hung:
         sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
+    exc_type = failed[first].exc_type if failed else None
     return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
-                   figures=figures)
+                   figures=figures, exc_type=exc_type)
 
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')

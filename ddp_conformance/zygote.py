@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -31,10 +33,16 @@ class Zygote:
     def __init__(self, start_timeout: float) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, DDP_CONFORMANCE_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "ddp_conformance.zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-        )
+        # its own words (an import error, say) go to a private log, read back when it fails to start,
+        # never onto pytest's terminal
+        self.log_dir = tempfile.mkdtemp(prefix="ddp-conformance-zygote-")
+        self.log_path = os.path.join(self.log_dir, "zygote.log")
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "ddp_conformance.zygote", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
+            )
         theirs.close()
         self.conn = Connection(ours.detach())
         self.exits: dict[int, int] = {}
@@ -49,12 +57,19 @@ class Zygote:
                 raise OSError(f"the rank zygote did not start within {self.start_timeout:g} s")
             message = receive(self.conn)
         except (EOFError, OSError) as exc:
+            words = self._log_tail()
             self.close()
-            raise OSError(f"the rank zygote failed to start: {exc}") from None
+            raise OSError(f"the rank zygote failed to start: {exc}{words}") from None
         if not isinstance(message, Ready):
             self.close()
             raise OSError(f"the rank zygote said {message!r} instead of ready")
         self.ready = True
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as log:
+            tail = log.read().strip().splitlines()[-5:]
+            return ("\n" + "\n".join(tail)) if tail else ""
+        return ""
 
     @property
     def alive(self) -> bool:
@@ -81,6 +96,10 @@ class Zygote:
         return self.exits.get(pid)
 
     def close(self) -> None:
+        """Closing its channel ends a ready zygote; one still importing torch is killed outright
+        (there is nothing of it to keep, and waiting would hold up the end of the session)."""
+        if not self.ready and self.popen.poll() is None:
+            self.popen.kill()
         with contextlib.suppress(OSError):
             self.conn.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -88,6 +107,7 @@ class Zygote:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class ForkedRank:
@@ -117,7 +137,7 @@ class ForkedRank:
 
 
 # -- the zygote process ---------------------------------------------------------------------------
-def _child(request: Fork, conn: Connection) -> None:
+def _child(request: Fork, conn: Connection, zygote_pid: int) -> None:
     """In the forked rank: never returns into the zygote's loop."""
     code = 1
     try:
@@ -129,7 +149,7 @@ def _child(request: Fork, conn: Connection) -> None:
         os.close(log)
         os.environ.clear()
         os.environ.update(request.env)
-        os.environ["DDP_CONFORMANCE_PARENT"] = str(os.getppid())
+        os.environ["DDP_CONFORMANCE_PARENT"] = str(zygote_pid)  # taken before the fork: no race
         from . import rank
 
         rank.die_with_parent()
@@ -161,20 +181,21 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     for name in PRELOAD:
         __import__(name)
-    send(conn, Ready(pid=os.getpid()))
-    while True:
-        _reap(conn)
-        try:
+    try:
+        send(conn, Ready(pid=os.getpid()))
+        while True:
+            _reap(conn)
             if not conn.poll(0.02):
                 continue
             request = receive(conn)
-        except (EOFError, OSError):
-            return 0  # the pool is gone; its ranks follow us (parent-death signal)
-        if isinstance(request, Fork):
-            pid = os.fork()
-            if pid == 0:
-                _child(request, conn)
-            send(conn, Forked(pid=pid))
+            if isinstance(request, Fork):
+                me = os.getpid()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, conn, me)
+                send(conn, Forked(pid=pid))
+    except (EOFError, OSError):
+        return 0  # the pool is gone (a closed channel is how it says so); its ranks follow us
 
 
 if __name__ == "__main__":

@@ -17,11 +17,13 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 
 NEVER_SPAWN = """
 import ddp_conformance.supervisor as supervisor
+import ddp_conformance.zygote as zygote
 
-def _refuse(self):
-    raise AssertionError("a rank was spawned although the test had to be skipped in the parent")
+def _refuse(self, *args, **kwargs):
+    raise AssertionError("a process was spawned although the test had to be skipped in the parent")
 
 supervisor.RankPool.launch = _refuse
+zygote.Zygote.__init__ = _refuse
 """
 
 
