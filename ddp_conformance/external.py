@@ -53,7 +53,7 @@ class ExternalRanks:
         self.requested_backend = requested_backend
         self.timeout = timeout
         self.backend: str | None = None
-        self._agreements = 0
+        self._seen: dict[str, int] = {}
 
     def skip_reason(self, world_size: int | None) -> str | None:
         if world_size is not None and world_size != self.me.world_size:
@@ -84,12 +84,13 @@ class ExternalRanks:
 
     def agree(self, nodeid: str, outcome: str, summary: str) -> dict[int, tuple[str, str]]:
         """Publish this rank's outcome of a test and read everyone's; a rank that does not publish
-        within the timeout is reported as silent (hung or dead)."""
+        within the timeout is reported as silent (hung or dead). Keys name the test (and how often it
+        ran), so ranks whose setups went differently still compare the same test."""
         import torch.distributed as dist
 
         store = dist.distributed_c10d._get_default_store()
-        self._agreements += 1
-        prefix = f"{AGREE_KEY}/{self._agreements}"
+        occurrence = self._seen[nodeid] = self._seen.get(nodeid, 0) + 1
+        prefix = f"{AGREE_KEY}/{nodeid}/{occurrence}"
         store.set(f"{prefix}/{self.me.rank}", pickle.dumps((nodeid, outcome, summary)))
         keys = [f"{prefix}/{rank}" for rank in range(self.me.world_size)]
         outcomes: dict[int, tuple[str, str]] = {}
@@ -102,6 +103,34 @@ class ExternalRanks:
                     _, their_outcome, their_summary = pickle.loads(store.get(key))
                     outcomes[rank] = (their_outcome, their_summary)
         return outcomes
+
+
+    def arm_watchdog(self, timeout: float) -> None:
+        """No supervisor here to kill a hung test: past its limit, print every thread's stack and end
+        this rank (the launcher then ends the others), rather than hold the CI job."""
+        import faulthandler
+
+        faulthandler.dump_traceback_later(timeout, exit=True)
+
+    @staticmethod
+    def disarm_watchdog() -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+
+    def finish(self) -> None:
+        """Rank 0 says it is done; the others wait for that before exiting, so the launcher (which
+        tears every rank down when one exits non-zero) never cuts rank 0's report short."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+            if self.me.rank == 0:
+                store.set(f"{AGREE_KEY}/rank0-done", b"1")
+            else:
+                store.wait([f"{AGREE_KEY}/rank0-done"], timedelta(seconds=min(self.timeout, 120)))
 
 
 def quiet_non_zero_rank(config: pytest.Config) -> None:

@@ -22,6 +22,7 @@ pytest_plugins = ["ddp_conformance.report"]
 
 SESSION_KEY = pytest.StashKey["DistributedSession"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalRanks"]()
+TERM_KEY = pytest.StashKey[Any]()
 SETTINGS_KEY = pytest.StashKey[options.Settings]()
 PLAN_KEY = pytest.StashKey[DdpPlan]()
 DISPATCH_KEY = pytest.StashKey["Dispatch"]()
@@ -68,28 +69,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)  # before junitxml reads its path: other ranks must not clobber it
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
+    launched = external.launched_externally()
+    if launched:
+        external.quiet_non_zero_rank(config)  # before the settings read the report path
     settings = options.read_settings(config)
     config.stash[SETTINGS_KEY] = settings
-    if external.launched_externally():
+    if launched:
         config.stash[EXTERNAL_KEY] = external.ExternalRanks(settings.backend, settings.timeout)
-        external.quiet_non_zero_rank(config)
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
         options.validate_trainers_and_config(config, settings)
-    _terminate_as_interrupt()
 
 
-def _terminate_as_interrupt() -> None:
-    """SIGTERM (a CI runner cancelling the job) ends pytest like Ctrl-C: the session unwinds, the pools
-    are killed, pytest exits non-zero with one line instead of dying with ranks mid-test."""
-    if threading.current_thread() is not threading.main_thread():
+def _terminate_as_interrupt(config: pytest.Config) -> None:
+    """While ranks run, SIGTERM (a CI runner cancelling the job) ends pytest like Ctrl-C: the session
+    unwinds, the pools are killed, pytest exits non-zero with one line instead of dying with ranks
+    mid-test. Installed with the first pool, put back at the end of the session."""
+    if threading.current_thread() is not threading.main_thread() or TERM_KEY in config.stash:
         return
-    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous not in (signal.SIG_DFL, None):
         return
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"pytest received {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    config.stash[TERM_KEY] = previous
 
 
 def settings_of(config: pytest.Config) -> options.Settings:
@@ -102,6 +107,7 @@ def _session(config: pytest.Config) -> Any:
 
     if SESSION_KEY not in config.stash:
         config.stash[SESSION_KEY] = DistributedSession(config.stash[SETTINGS_KEY])
+        _terminate_as_interrupt(config)
     return config.stash[SESSION_KEY]
 
 
@@ -109,6 +115,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is not None:
         session.close()
+    if TERM_KEY in config.stash and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, config.stash[TERM_KEY])
+    launched = config.stash.get(EXTERNAL_KEY, None)
+    if launched is not None:
+        launched.finish()
 
 
 # -- collection --------------------------------------------------------------------------------
@@ -209,6 +220,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if reason:
             _skip_at_item(reason)
         launched.ensure_group()
+        launched.arm_watchdog(_test_timeout(item))
         return
     world_size = _plan_world_size(item)
     assert world_size is not None
@@ -280,14 +292,34 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if EXTERNAL_KEY in item.config.stash and item.get_closest_marker("ddp") is not None:
+        external.ExternalRanks.disarm_watchdog()
+
+
+AGREED_KEY = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
         report.longrepr = call.excinfo.value.verdict_text
-    launched = item.config.stash.get(EXTERNAL_KEY, None)
-    if launched is not None and call.when == "call" and item.get_closest_marker("ddp") is not None:
-        summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
-        outcomes = launched.agree(item.nodeid, report.outcome, summary[-4000:])
-        external.merge_report(report, launched.me.rank, outcomes)
+    _agree_across_launched_ranks(item, call.when, report)
     return report
+
+
+def _agree_across_launched_ranks(item: pytest.Item, when: str, report: pytest.TestReport) -> None:
+    """Under torchrun, a rank agrees once per marked test: at its call, or at a setup that did not
+    pass (no call follows), so a failure anywhere is a failure everywhere."""
+    launched = item.config.stash.get(EXTERNAL_KEY, None)
+    if launched is None or item.get_closest_marker("ddp") is None or item.stash.get(AGREED_KEY, False):
+        return
+    if when != "call" and not (when == "setup" and not report.passed):
+        return
+    item.stash[AGREED_KEY] = True
+    summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
+    if when == "setup" and report.failed:
+        summary = "error in setup:\n" + summary
+    outcomes = launched.agree(item.nodeid, report.outcome, summary[-4000:])
+    external.merge_report(report, launched.me.rank, outcomes)

@@ -33,7 +33,6 @@ def run_matrix(pytester: pytest.Pytester, body: str, *args: str) -> tuple[pytest
                                            "--junitxml", "faults.xml", *args)
     times = {case.get("name", ""): float(case.get("time", "0"))
              for case in ET.parse(Path(pytester.path, "faults.xml")).iter("testcase")}
-    assert times["test_zz_next_one_passes"] >= 0
     return result, times
 
 

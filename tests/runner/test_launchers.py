@@ -29,6 +29,22 @@ def test_sizes(ddp):
 
 def test_plain():
     pass
+
+@pytest.fixture
+def data_on_this_node():
+    import os
+    if os.environ["RANK"] == "1":
+        raise FileNotFoundError("data.bin missing on this node")
+
+@pytest.mark.ddp
+def test_setup_fails_on_rank1_only(ddp, data_on_this_node):
+    pass
+
+@pytest.mark.ddp
+def test_zz_after_divergent_setup(ddp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ddp.world_size
 """
 
 
@@ -45,8 +61,12 @@ def test_under_torchrun_ranks_agree_and_rank0_reports(pytester: pytest.Pytester)
     # one report (rank 0's), in which the failure on rank 1 is named
     assert out.count("short test summary info") == 1, out
     result.stdout.fnmatch_lines(["*test_rank1_fails*", "rank 1 failed", "*_ rank 1 _*", "*rank 1 disagrees*"])
+    # a setup that failed on one rank only fails the test everywhere, and the next test is still
+    # compared with itself (agreement is keyed by test, not by count)
+    result.stdout.fnmatch_lines(["*test_setup_fails_on_rank1_only*", "rank 1 failed", "*_ rank 1 _*",
+                                 "error in setup:*", "*data.bin missing on this node*"])
     result.stdout.fnmatch_lines(["*the launcher started 2 ranks; this test needs 3*",
-                                 "*1 failed, 3 passed, 1 skipped*"])
+                                 "*2 failed, 4 passed, 1 skipped*"])
     assert "ddp_conformance.rank" not in out
     assert (pytester.path / "out.xml").exists()
 

@@ -26,7 +26,7 @@ def test_bad_option_is_one_usage_line(pytester: pytest.Pytester, args: list[str]
     pytester.makepyfile("def test_nothing(): pass")
     result = pytester.runpytest_subprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert result.stderr.lines == [f"ERROR: {expected}"] or f"ERROR: {expected}" in result.stderr.lines
+    assert [line for line in result.stderr.lines if line.strip()] == [f"ERROR: {expected}"]
     assert "Traceback" not in result.stderr.str()
 
 

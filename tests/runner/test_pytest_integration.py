@@ -57,7 +57,9 @@ def test_pytest_features_inside_ranks(pytester: pytest.Pytester, import_mode: st
     result.assert_outcomes(passed=3, failed=2, xfailed=1)
     result.stdout.fnmatch_lines(["*_ test_xfail_raises_other_type_still_fails _*",
                                  "2 of 2 ranks failed: ranks 0, 1 failed: ValueError: not a KeyError"])
-    result.stdout.fnmatch_lines(["*_ test_unpicklable_figure _*",
-                                 "2 of 2 ranks failed: ranks 0, 1 failed: ddp.figures[[]'lock'[]] cannot be sent back*"])
+    result.stdout.fnmatch_lines(
+        ["*_ test_unpicklable_figure _*",
+         "2 of 2 ranks failed: ranks 0, 1 failed: ddp.figures[[]'lock'[]] cannot be sent back*"]
+    )
     # the failure is a figure problem on live ranks, not a crash
     assert "died" not in result.stdout.str()
