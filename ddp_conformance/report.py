@@ -1,9 +1,10 @@
 """The conformance report: a trainer x check matrix at the end of the session, and `--ddp-report` JSON.
 
-Conformance results are the tests of a module that sets `CONFORMANCE_SUITE = True`
-(`ddp_conformance.suite.test_conformance`), parametrized with `trainer` and `check`. Their figures
-are rank 0's `ddp.figures`, which the plugin already puts in `item.user_properties` (hence JUnit
-XML properties); this module only collects them. It imports neither torch nor the checks.
+Conformance results are recognised by two user properties the suite puts on each of its tests in
+the pytest process (`conformance_trainer`, `conformance_check`); the rest of the test's user
+properties are rank 0's `ddp.figures` (which the plugin also writes to JUnit XML). Reports, not
+items, are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the
+controller, which alone prints the matrix and writes the JSON. No torch, no checks imported here.
 
 JSON shape: {"world_size": N, "backend": "...", "results": [{"trainer", "check", "outcome":
 "passed|failed|skipped", "figures": {...}, "message": "..."}]}. `message` is the check's full
@@ -14,27 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-RESULTS_KEY = pytest.StashKey[list[dict[str, Any]]]()
-SHAPE_KEY = pytest.StashKey[dict[str, Any]]()
+TRAINER_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_check"
 CELL_WIDTH = 30
-
-
-def conformance_id(item: pytest.Item) -> tuple[str, str] | None:
-    """(trainer SPEC, check id) when `item` is a conformance test, else None."""
-    module = getattr(item, "module", None)
-    callspec = getattr(item, "callspec", None)
-    if module is None or callspec is None or not getattr(module, "CONFORMANCE_SUITE", False):
-        return None
-    params = callspec.params
-    if "trainer" not in params or "check" not in params:
-        return None
-    return str(params["trainer"]), str(params["check"])
 
 
 def _jsonable(value: Any) -> Any:
@@ -61,47 +48,64 @@ def _message(report: pytest.TestReport, figures: dict[str, Any]) -> str:
     return text.splitlines()[0] if text else ""
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    report = yield
-    ident = conformance_id(item)
-    if ident is None or not (report.when == "call" or (report.when == "setup" and not report.passed)):
-        return report
-    figures = _jsonable(dict(item.user_properties))
-    results = item.config.stash.setdefault(RESULTS_KEY, [])
-    results.append({"trainer": ident[0], "check": ident[1], "outcome": report.outcome,
-                    "figures": figures, "message": _message(report, figures)})
-    shape = item.config.stash.setdefault(SHAPE_KEY, {})
-    if "world_size" in figures and "world_size" not in shape:
-        shape.update(world_size=figures["world_size"], backend=figures.get("backend"))
-    if "world_size" not in shape:
-        from .plugin import PLAN_KEY
+class ConformanceReport:
+    """One session's conformance results: collected from reports, shown and written at the end.
+    A plugin object per pytest config, so nested in-process sessions (pytester) keep their own."""
 
-        plan = item.stash.get(PLAN_KEY, None)
-        if plan is not None:
-            shape.update(world_size=plan.world_size, backend=plan.backend)
-    return report
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        properties = dict(report.user_properties)
+        if CHECK_PROPERTY not in properties:
+            return
+        if not (report.when == "call" or (report.when == "setup" and not report.passed)):
+            return
+        trainer, check = str(properties.pop(TRAINER_PROPERTY)), str(properties.pop(CHECK_PROPERTY))
+        figures = _jsonable(properties)
+        self.results.append({"trainer": trainer, "check": check, "outcome": report.outcome, "figures": figures,
+                             "message": _message(report, figures)})
+
+    def document(self) -> dict[str, Any]:
+        """The JSON report. World size and backend come from the results' figures (what the ranks
+        saw), else from the options."""
+        from .checks import CHECK_IDS
+        from .plugin import settings_of
+
+        settings = settings_of(self.config)
+        trainers = list(settings.trainers)
+
+        def order(result: dict[str, Any]) -> tuple[int, int]:  # xdist finishes tests in any order
+            t, c = result["trainer"], result["check"]
+            return (trainers.index(t) if t in trainers else len(trainers),
+                    CHECK_IDS.index(c) if c in CHECK_IDS else len(CHECK_IDS))
+
+        results = sorted(self.results, key=order)
+        shaped = next((r["figures"] for r in results if "world_size" in r["figures"]), {})
+        return {"world_size": shaped.get("world_size", settings.world_size),
+                "backend": shaped.get("backend", settings.backend), "results": results}
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        from .plugin import settings_of
+
+        path = settings_of(self.config).report_path
+        if path and not hasattr(self.config, "workerinput"):  # under xdist the controller writes it
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(self.document(), indent=2) + "\n", encoding="utf-8")
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        doc = self.document()
+        if not doc["results"]:
+            return
+        terminalreporter.write_sep("=", f"ddp conformance (world size {doc['world_size']}, {doc['backend']})")
+        for line in matrix_lines(doc):
+            terminalreporter.write_line(line)
 
 
-def document(config: pytest.Config) -> dict[str, Any]:
-    """The JSON report of this session."""
-    from .plugin import settings_of
-
-    settings = settings_of(config)
-    shape = config.stash.get(SHAPE_KEY, {})
-    return {"world_size": shape.get("world_size", settings.world_size),
-            "backend": shape.get("backend", settings.backend),
-            "results": config.stash.get(RESULTS_KEY, [])}
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    from .plugin import settings_of
-
-    path = settings_of(session.config).report_path
-    if path:
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(document(session.config), indent=2) + "\n", encoding="utf-8")
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(ConformanceReport(config), "ddp-conformance-report")
 
 
 def _label(spec: str) -> str:
@@ -143,12 +147,3 @@ def matrix_lines(doc: dict[str, Any]) -> list[str]:
     for r in notes:
         lines.append(f"{_label(r['trainer'])} / {r['check']} {r['outcome']}: {r['message']}")
     return lines
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    doc = document(config)
-    if not doc["results"]:
-        return
-    terminalreporter.write_sep("=", f"ddp conformance (world size {doc['world_size']}, {doc['backend']})")
-    for line in matrix_lines(doc):
-        terminalreporter.write_line(line)

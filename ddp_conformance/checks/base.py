@@ -1,0 +1,179 @@
+"""What every check gets: a fresh adapter on demand, the reconciled config, figures, timing.
+
+Figures go straight into the `ddp` fixture's `figures` dict (rank 0's become the test's user
+properties, hence JUnit XML properties and the report), so whatever a check measured before it
+failed is still reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..adapter import RankContext, TrainerAdapter
+    from ..config import RunConfig
+
+
+class CheckFailed(AssertionError):
+    """A conformance violation. The first line of the message is the diagnosis (the bug, not only
+    the symptom); the runner puts it in the test's headline, so users fix from that line."""
+
+
+def hide_on_verdict(info: Any) -> bool:
+    """For `__tracebackhide__`: a verdict is the message, not the check's source, so the check's
+    frames are left out of a CheckFailed traceback (and kept for any other error, a check's bug)."""
+    return bool(info.errisinstance(CheckFailed))
+
+
+@dataclass
+class CheckContext:
+    """One check run on one rank: the trainer factory, the config, where to work, what to report."""
+
+    check_id: str
+    spec: str
+    factory: Callable[[], TrainerAdapter]
+    config: RunConfig
+    rank_ctx: RankContext
+    ddp: Any
+    workdir: Path
+    stall_after: float
+    figures: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    trainer_seconds: float = 0.0
+    observed_steps: int = 0
+    shared: bool = True
+    began: float = field(default_factory=time.perf_counter)
+    _depth: int = 0
+
+    @classmethod
+    def create(cls, check_id: str, spec: str, rootdir: str, config_path: str | None, stall_after: float,
+               ddp: Any, workdir: Any) -> CheckContext:
+        from ..adapter import RankContext
+        from ..config import load_config, reconcile
+        from ..trainers.spec import resolve_spec
+
+        factory = resolve_spec(spec, Path(rootdir))
+        rank_ctx = RankContext.from_fixture(ddp, workdir)
+        config, notes = reconcile(load_config(config_path), world_size=rank_ctx.world_size,
+                                  backend=rank_ctx.backend, device_type=rank_ctx.device_type,
+                                  num_nodes=rank_ctx.num_nodes)
+        figures = ddp.figures
+        figures.update(world_size=rank_ctx.world_size, backend=rank_ctx.backend)
+        shared = shared_directory(Path(workdir) / check_id, rank_ctx.rank)
+        ctx = cls(check_id=check_id, spec=spec, factory=factory, config=config, rank_ctx=rank_ctx, ddp=ddp,
+                  workdir=shared or Path(workdir) / check_id, stall_after=stall_after, figures=figures,
+                  shared=shared is not None)
+        ctx.workdir.mkdir(parents=True, exist_ok=True)
+        ctx.notes.extend(notes)
+        return ctx
+
+    def require_shared_workdir(self) -> None:
+        """Skip unless every rank sees the same directory (progress files, a checkpoint all read)."""
+        import pytest
+
+        if not self.shared:
+            pytest.skip(f"{self.check_id} needs a directory every rank can read, and the ranks share none (ranks "
+                        "on several nodes without a shared filesystem for pytest's tmp_path?)")
+
+    # --- conveniences ----------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.rank_ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.rank_ctx.world_size
+
+    def adapter(self, config: RunConfig | None = None) -> TrainerAdapter:
+        """A fresh adapter, set up with `config` (default: the run's config). Counted as the
+        trainer's time: building it may import the trainer's framework (Lightning: ~3 s once)."""
+        with self.training():
+            adapter = self.factory()
+            adapter.setup(config or self.config, replace(self.rank_ctx, workdir=self.workdir))
+        return adapter
+
+    def note(self, text: str) -> None:
+        """Something the check changed or could not do; reported with the figures."""
+        self.notes.append(text)
+        self.figures["notes"] = list(self.notes)
+
+    @contextlib.contextmanager
+    def training(self, steps: int = 0) -> Iterator[None]:
+        """Time spent inside the trainer (building it, fit, resume, wrap, train_step...), for the
+        benchmark's ratio of a check's cost to the training it observes. Only the outermost span
+        counts: an adapter built inside a guarded fit's thread is already inside its span."""
+        self._depth += 1
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.trainer_seconds += time.perf_counter() - began
+            self.observed_steps += steps
+
+    def fail(self, message: str, **figures: Any) -> CheckFailed:
+        """Record the verdict with the figures and return the exception to raise."""
+        self.figures.update(figures)
+        self.figures["verdict"] = message
+        self.figures.setdefault("summary", message.split(":", 1)[0][:40])
+        self.finish({})
+        return CheckFailed(message)
+
+    def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
+        self.figures.update(figures)
+        if self.notes:
+            self.figures["notes"] = list(self.notes)
+        total = time.perf_counter() - self.began
+        self.figures["check_seconds"] = round(total, 4)
+        self.figures["trainer_seconds"] = round(self.trainer_seconds, 4)
+        self.figures["observed_steps"] = self.observed_steps
+        return self.figures
+
+
+def shared_directory(mine: Path, rank: int) -> Path | None:
+    """Rank 0's directory, if every rank can see it (collective). In the plugin's own pools every
+    rank gets the same tmp_path anyway; under torchrun each pytest process has its own, so rank 0's
+    is used, which exists for all ranks of one node but not across nodes without a shared filesystem."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    if rank == 0:
+        mine.mkdir(parents=True, exist_ok=True)
+        (mine / ".rank0").write_text("")
+    box: list[Any] = [str(mine)]
+    dist.broadcast_object_list(box, src=0)
+    theirs = Path(box[0])
+    visible = all_gather((theirs / ".rank0").is_file())
+    return theirs if all(visible) else None
+
+
+def all_gather(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (collective; pickled objects)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def fmt(value: float) -> str:
+    """A float for a verdict: 3 significant digits."""
+    return f"{value:.3g}"
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} GiB"  # pragma: no cover

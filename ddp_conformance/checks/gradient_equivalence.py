@@ -1,0 +1,155 @@
+"""gradient_equivalence: one DDP step on the ranks' shards of a global batch gives, for every
+parameter, the single-process gradient of the whole global batch; parameters stay identical on all
+ranks over several steps.
+
+How: every rank takes the same global batch (the dataset's first `world_size * per_rank` items),
+runs the trainer's own `train_step` on its consecutive shard through the trainer's `wrap`, and
+computes locally, without DDP, the gradient of the global batch and of its own shard with the
+trainer's `loss`. `per_rank` is batch_size x accumulate_grad_batches, so the trainer's accumulation
+splits the shard into equal micro-batches (equal sizes are what makes mean-of-means the mean).
+Models are in eval mode for this comparison: dropout masks and BatchNorm batch statistics
+legitimately differ between a shard and the whole batch, and are not what DDP synchronises.
+
+Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by precision, from
+../shared/notes/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
+relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
+A failure names the parameter, its max |delta| and the tolerance, and a cause when the evidence
+points to one: a ratio of exactly 1/world_size (loss summed where DDP averages), world_size
+(gradients summed over ranks), or gradients equal to the rank's own shard (no all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import CheckContext, all_gather, fmt, hide_on_verdict
+
+RTOL = {"32-true": 1e-5, "bf16-mixed": 2e-2, "16-mixed": 5e-3}
+EXTRA_STEPS = 3
+SGD_LR = 0.05
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _grads(model: Any) -> dict[str, Any]:
+    return {name: (p.grad.detach().double().clone() if p.grad is not None else None)
+            for name, p in _unwrap(model).named_parameters() if p.requires_grad}
+
+
+def _max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
+    """(parameter, max |a - b|, max |b|) of the parameter whose delta is largest relative to b."""
+    worst = ("", 0.0, 0.0)
+    worst_rel = -1.0
+    for name, ref in b.items():
+        got = a.get(name)
+        if got is None or ref is None:
+            continue
+        delta = float((got - ref).abs().max()) if ref.numel() else 0.0
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        rel = delta / scale if scale > 0 else (0.0 if delta == 0 else float("inf"))
+        if rel > worst_rel:
+            worst, worst_rel = (name, delta, scale), rel
+    return worst
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Least-squares scale r with a ~ r*b over all parameters, and the relative residual."""
+    dot = sum(float((a[n] * b[n]).sum()) for n in b if a.get(n) is not None and b[n] is not None)
+    bb = sum(float((b[n] * b[n]).sum()) for n in b if b[n] is not None)
+    if bb == 0:
+        return float("nan"), float("inf")
+    r = dot / bb
+    res = sum(float(((a[n] - r * b[n]) ** 2).sum()) for n in b if a.get(n) is not None and b[n] is not None)
+    aa = sum(float((a[n] * a[n]).sum()) for n in b if a.get(n) is not None)
+    return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    import torch
+
+    config = ctx.config
+    adapter = ctx.adapter()
+    world, rank = ctx.world_size, ctx.rank
+    accumulate = config.trainer.accumulate_grad_batches
+    per_rank = config.data.batch_size * accumulate
+    need = per_rank * world * (1 + EXTRA_STEPS)
+    dataset = adapter.make_dataset(max(need, config.data.size))
+    items = [dataset[i] for i in range(need)]
+
+    def shard(step: int, r: int) -> Any:
+        start = (step * world + r) * per_rank
+        return adapter.collate(items[start:start + per_rank])
+
+    global_batch = adapter.collate(items[:per_rank * world])
+    reference, own = adapter.make_model().eval(), adapter.make_model().eval()
+    with ctx.training(1):
+        wrapped = adapter.wrap(adapter.make_model().eval())
+        adapter.train_step(wrapped, shard(0, rank))
+    adapter.loss(reference, global_batch).backward()
+    adapter.loss(own, shard(0, rank)).backward()
+    ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
+
+    precision = config.trainer.precision
+    rtol = RTOL.get(precision, RTOL["bf16-mixed"])
+    name, delta, scale = _max_delta(ddp_g, single_g)
+    tolerance = rtol * scale
+    figures: dict[str, Any] = {"precision": precision, "rtol": rtol, "per_rank_batch": per_rank,
+                               "worst_parameter": name, "max_abs_delta": delta, "tolerance": tolerance,
+                               "max_rel_delta": delta / scale if scale else 0.0}
+    missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
+    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world))
+    failing = [v for v in verdicts if v]
+    if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
+        raise ctx.fail(failing[0], **figures)
+
+    # several steps: the trainer's train_step on fresh shards, the same plain SGD update everywhere
+    wrapped.train()
+    with ctx.training(EXTRA_STEPS):
+        for step in range(1, 1 + EXTRA_STEPS):
+            for p in wrapped.parameters():
+                p.grad = None
+            adapter.train_step(wrapped, shard(step, rank))
+            with torch.no_grad():
+                for p in wrapped.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-SGD_LR)
+    params = {n: p.detach().cpu().clone() for n, p in _unwrap(wrapped).named_parameters()}
+    everyone = all_gather(params)
+    spread = max((float((everyone[0][n].double() - other[n].double()).abs().max()), n)
+                 for other in everyone[1:] for n in params) if world > 1 else (0.0, "")
+    figures["params_max_spread_after_steps"] = spread[0]
+    if spread[0] != 0.0:
+        raise ctx.fail(f"parameters differ between ranks after {EXTRA_STEPS} more steps ({spread[1]} max |delta| "
+                       f"{fmt(spread[0])}) although the first step's gradients matched: something after backward "
+                       "changes gradients per rank", **figures)
+    figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
+    return figures
+
+
+def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
+             name: str, delta: float, tolerance: float, rtol: float, world: int) -> str:
+    """This rank's diagnosis, or "" when the gradients match."""
+    if missing:
+        return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
+                f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")
+    if delta <= tolerance:
+        return ""
+    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(tolerance)})"
+    ratio, residual = _ratio(ddp_g, single_g)
+    close = 10 * rtol + 1e-6
+    if world > 1 and abs(ratio * world - 1) < close and residual < close:
+        return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is summed where DDP "
+                f"averages (use a mean reduction) {where}")
+    if world > 1 and abs(ratio / world - 1) < close and residual < close:
+        return (f"gradients are exactly {world}x the single-process gradients: they are summed over ranks, not "
+                f"averaged {where}")
+    _, own_delta, own_scale = _max_delta(ddp_g, own_g)
+    if world > 1 and own_delta <= rtol * own_scale:
+        return (f"each rank's gradients equal the gradients of its own shard: no all-reduce happened (the model is "
+                f"not wrapped in DDP, or its gradients are never synchronised) {where}")
+    if abs(ratio - 1) >= close and residual < close:
+        return f"gradients are {fmt(ratio)}x the single-process gradients {where}"
+    return f"gradients differ from the single-process gradients of the global batch {where}"

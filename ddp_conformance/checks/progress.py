@@ -1,0 +1,215 @@
+"""Per-rank training progress recorded outside the process group, and fits that cannot hang a check.
+
+A rank that stops training (returns early, raises, skips a batch) leaves the others blocked in
+DDP's gradient all-reduce, and nothing that goes through the process group can report it. So every
+fit a check runs goes through `guarded_fit`:
+- the fit runs in a daemon thread; its `FitObserver` writes this rank's progress (micro-batches
+  begun and finished, the last `StepInfo`, done/error) to `<dir>/rank<r>.json` in the workdir that
+  all ranks share, atomically (temp file + rename), at every event;
+- the calling thread polls every rank's file. When all ranks are done it returns. When some rank
+  is done (or failed) and no rank has made progress for `stall_after` seconds, or no rank has moved
+  for `4 * stall_after`, the fit is hung: it raises `CheckFailed` naming the ranks that stopped and
+  the step where they stopped, and marks the group unusable (a thread is left blocked in a
+  collective, so the harness must rebuild the ranks).
+Every rank reads the same files, so every rank reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..adapter import FitObserver, StepInfo
+from .base import CheckContext, fmt, hide_on_verdict
+
+POLL_SECONDS = 0.02
+
+
+@dataclass
+class Progress:
+    """What one rank's progress file says."""
+
+    rank: int
+    state: str = "starting"  # starting | wrapped | in_step | between | done | error
+    begun: int = 0  # micro-batches whose forward started
+    finished: int = 0  # micro-batches whose backward (and after-backward) finished
+    last: dict[str, Any] | None = None  # the last StepInfo, as a dict
+    error: str = ""
+    wrapped_type: str = ""
+    is_ddp: bool | None = None  # None: the fit never reported its wrapped model (on_wrapped)
+    seq: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in ("done", "error")
+
+
+class ProgressObserver(FitObserver):
+    """Writes this rank's progress file at every event, then forwards to an inner observer."""
+
+    def __init__(self, path: Path, rank: int, inner: FitObserver | None = None) -> None:
+        self.path = path
+        self.progress = Progress(rank=rank)
+        self.inner = inner
+        self.model: Any = None
+        self.write()
+
+    def write(self) -> None:
+        self.progress.seq += 1
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(asdict(self.progress)))
+        os.replace(tmp, self.path)
+
+    def on_wrapped(self, model: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = model
+        self.progress.state, self.progress.wrapped_type = "wrapped", type(model).__name__
+        self.progress.is_ddp = isinstance(model, DistributedDataParallel)
+        self.write()
+        if self.inner is not None:
+            self.inner.on_wrapped(model)
+
+    def before_step(self, info: StepInfo) -> None:
+        p = self.progress
+        p.state, p.begun, p.last = "in_step", p.begun + 1, asdict(info)
+        self.write()
+        if self.inner is not None:
+            self.inner.before_step(info)
+
+    def after_step(self, info: StepInfo) -> None:
+        if self.inner is not None:
+            self.inner.after_step(info)
+        p = self.progress
+        p.state, p.finished, p.last = "between", p.finished + 1, asdict(info)
+        self.write()
+
+    def end(self, error: BaseException | None, extra: dict[str, Any] | None = None) -> None:
+        p = self.progress
+        p.state = "error" if error is not None else "done"
+        if error is not None:
+            p.error = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        p.extra = extra or {}
+        self.write()
+
+
+def read_all(directory: Path, world_size: int) -> list[Progress | None]:
+    found: list[Progress | None] = []
+    for rank in range(world_size):
+        try:
+            found.append(Progress(**json.loads((directory / f"rank{rank}.json").read_text())))
+        except (OSError, ValueError, TypeError):
+            found.append(None)
+    return found
+
+
+def _where(p: Progress | None) -> str:
+    """Where a rank is, in words a user can find in their loop."""
+    if p is None:
+        return "never started its fit"
+    last = p.last or {}
+    at = (f"micro-batch {p.begun - 1} (epoch {last.get('epoch')}, batch {last.get('position')}, "
+          f"optimizer step {last.get('global_step')})") if last else ""
+    if p.state == "in_step":
+        return f"waits inside {at}: forward/backward, where DDP all-reduces the gradients"
+    if p.state == "between":
+        return f"waits after {at}, outside a step (optimizer step, checkpoint or loader)"
+    if p.state == "wrapped":
+        return "waits before its first step, after wrapping the model in DDP"
+    if p.state == "starting":
+        return "waits before wrapping the model (setup, DDP construction)"
+    if p.state == "error":
+        return f"failed after {p.finished} micro-batch(es) with {p.error}"
+    return f"returned from its fit after {p.finished} micro-batch(es)"
+
+
+def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> str:
+    # `idle` is the threshold that fired, not the time measured, so every rank words it alike
+    """The diagnosis of a hung fit: who stopped, where, and who is left waiting."""
+    stopped = [p.rank for p in progress if p is not None and p.stopped]
+    waiting = [r for r, p in enumerate(progress) if p is None or not p.stopped]
+    if not stopped:
+        counts = [p.finished if p is not None else -1 for p in progress]
+        behind = [r for r, c in enumerate(counts) if c == min(counts)]
+        stopped = behind if len(behind) < len(progress) else []
+        waiting = [r for r in range(len(progress)) if r not in stopped]
+    if stopped:
+        first = progress[stopped[0]]
+        step = first.finished if first is not None else 0
+        who = ", ".join(f"rank {r} {_where(progress[r])}" for r in stopped)
+        left = "; ".join(f"rank {r} {_where(progress[r])}" for r in waiting)
+        kind = ("failed" if first is not None and first.state == "error"
+                else "left its training loop early" if first is not None and first.stopped else "fell behind")
+        return (f"training hangs: {_ranks(stopped)} stopped at micro-batch {step} of a {steps}-step fit ({who}) "
+                f"while {left}, no progress for {fmt(idle)} s: a rank that {kind} leaves the others blocked in "
+                "DDP's gradient all-reduce")
+    return (f"training hangs: all ranks are stuck in the same place ({_where(progress[0])}), no progress for "
+            f"{fmt(idle)} s: a collective deadlock (ranks calling different collectives?)")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],
+                inner: FitObserver | None = None,
+                extra: Callable[[Any], dict[str, Any]] | None = None) -> tuple[Any, list[Progress]]:
+    """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress.
+
+    Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
+    Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs.
+    """
+    __tracebackhide__ = hide_on_verdict
+    directory = ctx.workdir / "progress" / label
+    directory.mkdir(parents=True, exist_ok=True)
+    observer = ProgressObserver(directory / f"rank{ctx.rank}.json", ctx.rank, inner)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = call(observer)
+        except BaseException as exc:  # reported to the watching thread
+            box["error"] = exc
+            observer.end(exc)
+        else:
+            try:
+                observer.end(None, extra(box["result"]) if extra is not None else None)
+            except BaseException as exc:
+                box["error"] = exc
+                observer.end(exc)
+
+    thread = threading.Thread(target=target, name=f"ddp-conformance-{label}", daemon=True)
+    with ctx.training(steps):
+        thread.start()
+        progress = _watch(ctx, directory, thread, steps)
+    if "error" in box:
+        raise box["error"]
+    return box["result"], progress  # type: ignore[return-value]
+
+
+def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: int) -> list[Progress]:
+    __tracebackhide__ = hide_on_verdict
+    seen: list[int] = []
+    last_change = time.monotonic()
+    while True:
+        thread.join(POLL_SECONDS)
+        progress = read_all(directory, ctx.world_size)
+        seqs = [p.seq if p is not None else 0 for p in progress]
+        now = time.monotonic()
+        if seqs != seen:
+            seen, last_change = seqs, now
+        if all(p is not None and p.stopped for p in progress) and not thread.is_alive():
+            return [p for p in progress if p is not None]
+        idle = now - last_change
+        some_stopped = any(p is not None and p.stopped for p in progress)
+        if (some_stopped and idle >= ctx.stall_after) or idle >= 4 * ctx.stall_after:
+            threshold = ctx.stall_after if some_stopped else 4 * ctx.stall_after
+            ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
+            raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)

@@ -1,0 +1,107 @@
+"""rank_participation: every rank runs the same number (> 0) of forward/backward steps and takes part
+in the gradient all-reduce.
+
+Evidence, all from one short fit of the trainer (`fit(STEPS)`):
+- steps: counted per rank by a `FitObserver` that writes progress files outside the process group
+  (`progress.py`), so a rank that stops training is named with the step where it stopped even
+  though the others hang in the all-reduce;
+- all-reduce participation: after the fit the ranks' *parameters* (not buffers: BatchNorm running
+  stats are per rank by design) are bit-identical although each rank trained on its own shard.
+  Parameters can only stay identical on different data if every rank's gradients were averaged
+  with every other's on every step. This is behavioural, so it holds for Lightning too (which
+  ignores comm hooks on CPU) and for trainers that all-reduce by hand instead of using DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ..adapter import FitObserver, StepInfo, TrainState
+from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from .progress import guarded_fit
+from .states import digest, parameters
+
+STEPS = 4
+
+
+class _Capture(FitObserver):
+    """Remembers the parameter names of the model the trainer trains, and this rank's losses."""
+
+    def __init__(self) -> None:
+        self.names: list[str] | None = None
+        self.losses: list[float] = []
+
+    def on_wrapped(self, model: Any) -> None:
+        self.names = [name.removeprefix("module.") for name, _ in model.named_parameters()]
+
+    def after_step(self, info: StepInfo) -> None:
+        if info.loss is not None:
+            self.losses.append(float(info.loss))
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    ctx.require_shared_workdir()
+    adapter = ctx.adapter()
+    capture = _Capture()
+
+    def extra(state: TrainState) -> dict[str, Any]:
+        return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
+                "losses": capture.losses}
+
+    state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
+                                  inner=capture, extra=extra)
+    micro = [p.finished for p in progress]
+    steps = [p.extra.get("global_step") for p in progress]
+    wrapped, is_ddp = progress[0].wrapped_type or "unknown", progress[0].is_ddp
+    figures: dict[str, Any] = {"micro_batches_per_rank": micro, "optimizer_steps_per_rank": steps,
+                               "wrapped_type": wrapped}
+    if not any(micro):
+        if any(steps):
+            pytest.skip(f"trainer {ctx.spec}: its fit trained {steps[0]} steps but never called the FitObserver "
+                        "(before_step/after_step), so per-rank steps cannot be observed")
+        raise ctx.fail(f"no rank ran a forward/backward step: fit({STEPS}) returned without training", **figures)
+    idle = [r for r, m in enumerate(micro) if m == 0]
+    if idle:
+        raise ctx.fail(f"{_ranks(idle)} ran no forward/backward step while the others ran {max(micro)}: "
+                       "those ranks skip training", **figures)
+    if len(set(micro)) > 1:
+        low = [r for r, m in enumerate(micro) if m == min(micro)]
+        raise ctx.fail(f"{_ranks(low)} ran {min(micro)} forward/backward micro-batches where others ran "
+                       f"{max(micro)} (per rank: {micro}): the ranks do not train the same steps", **figures)
+    losses = [p.extra.get("losses", []) for p in progress]
+    figures["losses_differ_between_ranks"] = len({tuple(x) for x in losses}) > 1
+    digests = {p.extra.get("digest") for p in progress}
+    figures["params_identical"] = len(digests) == 1
+    if len(digests) > 1:
+        raise ctx.fail(_divergence(state, capture.names, wrapped, is_ddp, micro[0]), **figures)
+    if not figures["losses_differ_between_ranks"] and ctx.world_size > 1:
+        ctx.note("every rank saw the same losses (the same data?): identical parameters do not prove the "
+                 "all-reduce here; see sampler_disjointness")
+    figures["summary"] = f"{micro[0]} fwd/bwd/rank, in sync"
+    return figures
+
+
+def _divergence(state: TrainState, names: list[str] | None, wrapped: str, is_ddp: bool | None, micro: int) -> str:
+    """Which parameter differs most between ranks, and why (collective: every rank is done)."""
+    mine = parameters(state.params, names)
+    everyone = all_gather({k: v.detach().cpu() for k, v in mine.items()})
+    worst, delta = "", 0.0
+    for name, tensor in everyone[0].items():
+        for other in everyone[1:]:
+            d = float((tensor.double() - other[name].double()).abs().max()) if tensor.numel() else 0.0
+            if d > delta:
+                worst, delta = name, d
+    where = f"{worst} max |delta| {fmt(delta)}"
+    if is_ddp is False:
+        return (f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): gradients are "
+                f"never all-reduced, and after {micro} micro-batches the ranks' parameters differ ({where})")
+    return (f"the ranks' parameters differ after {micro} micro-batches ({where}): not every gradient is all-reduced "
+            "(no_sync left on, or gradients changed after the all-reduce)"
+            + ("" if is_ddp else "; the fit never reported its wrapped model, so DDP wrapping is unknown"))
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -1,0 +1,271 @@
+"""resume_fidelity: a run checkpointed at step k and resumed in a fresh trainer, with its RNG
+deliberately disturbed, ends at step n exactly where an uninterrupted run ends: parameters,
+optimizer state, scheduler state and counters (bitwise on CPU with up to 2 ranks, within 1e-4
+relative beyond: see `tolerance`); and only rank 0 wrote checkpoint files.
+
+Steps. E = optimizer steps in one epoch (from the trainer's own loader); k = E//2 + 1 (mid-epoch)
+and n = k + E, so the resumed part crosses an epoch boundary (a lost epoch counter or set_epoch
+shows). Runs, each a guarded fit (`progress.py`, so a hang is named, not waited out):
+F = fit(n); P = fit(k) writing its checkpoint at k; R = resume(P's checkpoint, n) on a fresh
+adapter after reseeding every RNG to a rank-specific value (a restart never inherits the RNG).
+The model gets dropout 0.1 if the config has none, otherwise a missing RNG state could not show.
+
+Who wrote the checkpoint: every rank passes its *own* directory as `checkpoint_dir`
+(`ckpt/rank<r>`). A file can only appear under `ckpt/rank1` if rank 1's process wrote it, so after
+the fit each rank lists its own directory and anything outside rank 0's is a write by another
+rank. The resume then reads rank 0's file on every rank. (A trainer that ignores checkpoint_dir
+and writes elsewhere is reported as such; one that broadcasts rank 0's path and writes it on all
+ranks would land in rank 0's directory and is not told apart: a limit of watching directories.)
+
+Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
+with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
+named when present); scheduler; optimizer; and if only the trajectory differs, one more resume
+with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored,
+otherwise the data position/order is not.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..adapter import FitObserver, StepInfo, TrainState
+from .base import CheckContext, all_gather, hide_on_verdict
+from .progress import guarded_fit
+from .states import Difference, differences, digest, parameters
+
+FALLBACK_EPOCH_STEPS = 8
+FORCED_DROPOUT = 0.1
+
+
+class _FirstStepWeights(FitObserver):
+    """Copies the model's parameters at the first micro-batch: what the resumed trainer really trains."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.weights: dict[str, Any] | None = None
+
+    def on_wrapped(self, model: Any) -> None:
+        self.model = model
+
+    def before_step(self, info: StepInfo) -> None:
+        if self.weights is None and self.model is not None:
+            self.weights = {n.removeprefix("module."): p.detach().cpu().clone()
+                            for n, p in self.model.named_parameters()}
+
+
+def _disturb_rng(rank: int) -> None:
+    import numpy as np
+    import torch
+
+    seed = 9_000 + 101 * rank
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _capture_rng() -> tuple[Any, ...]:
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
+
+
+def _restore_rng(state: tuple[Any, ...]) -> None:
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+    if state[3] is not None:
+        torch.cuda.set_rng_state_all(state[3])
+
+
+def tolerance(ctx: CheckContext) -> float:
+    """0 (bitwise) on CPU up to 2 ranks; else a relative bound of 1e-4 per tensor.
+
+    A resumed run's fresh DDP reduces its first step in the *initial* bucket layout; the
+    uninterrupted run has long since rebuilt its buckets (in gradient-ready order, after iteration
+    1). With 3+ ranks, gloo's ring all-reduce sums each element in an order set by its position in
+    the bucket, so that one step differs in the last bits: measured max |delta| 6e-8 on the
+    parameters at world size 4, and bitwise again with find_unused_parameters=True, which skips
+    the rebuild. Two ranks sum one pair, the same in any order. GPUs add non-deterministic kernels.
+    What the check exists for is far above 1e-4: a lost RNG state moved parameters by 0.2."""
+    if ctx.rank_ctx.device_type == "cpu" and ctx.world_size <= 2:
+        return 0.0
+    return 1e-4
+
+
+def _epoch_steps(ctx: CheckContext, adapter: Any) -> int:
+    from ..adapter import NotProvided
+
+    try:
+        loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
+        batches = len(loader)
+    except (NotProvided, TypeError):
+        ctx.note(f"epoch length unknown (no make_loader/len): assumed {FALLBACK_EPOCH_STEPS} steps")
+        return FALLBACK_EPOCH_STEPS
+    return max(1, math.ceil(batches / ctx.config.trainer.accumulate_grad_batches))
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    ctx.require_shared_workdir()
+    config = ctx.config
+    if config.model.dropout == 0:
+        config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
+        ctx.note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
+                 "shows (a trainer that ignores the config's model section keeps its own model)")
+    epoch = _epoch_steps(ctx, ctx.adapter(config))
+    k = epoch // 2 + 1 if epoch >= 2 else 1
+    n = k + epoch
+    rtol = tolerance(ctx)
+    exact = rtol == 0.0
+    figures: dict[str, Any] = {
+        "checkpoint_step": k, "final_step": n, "epoch_steps": epoch,
+        "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
+    ctx.figures.update(figures)
+
+    full, _ = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs))
+    own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
+    own_dir.mkdir(parents=True, exist_ok=True)
+    part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
+        k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
+    at_checkpoint = _capture_rng()
+    written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
+                          str(part.checkpoint) if part.checkpoint else None,
+                          digest(parameters(part.params))))
+    checkpoint = written[0][1]
+    if len({w[2] for w in written}) > 1:
+        pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
+                    "synchronised: see rank_participation / gradient_equivalence); a rank-0 checkpoint cannot "
+                    "resume the other ranks, so resume fidelity cannot be judged")
+    if not checkpoint or not Path(checkpoint).exists():
+        raise ctx.fail(f"no checkpoint file after fit({k}, checkpoint_at={k}): rank 0 reported "
+                       f"{checkpoint!r}", **figures)
+    figures["checkpoint"] = Path(checkpoint).name
+
+    _disturb_rng(ctx.rank)
+    first = _FirstStepWeights()
+    resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
+        Path(checkpoint), n, observer=obs), inner=first)
+    found = differences(full, resumed, rtol)
+    figures["differences"] = len(found)
+    figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
+                                   default=0.0)
+    # every decision below is taken from gathered values, so all ranks run the same collectives
+    if any(all_gather(bool(found))):
+        static = _diagnose(found, full, part, first.weights, Path(checkpoint), n, k) if found else ""
+        verdict = next((v for v in all_gather(static) if v), "")
+        if not verdict:
+            verdict = _rng_or_data(ctx, config, found, full, part, Path(checkpoint), at_checkpoint, n, k)
+            verdict = next((v for v in all_gather(verdict) if v), verdict)
+        raise ctx.fail(verdict, **figures)
+    others = [(r, files) for r, (files, _, _) in enumerate(written) if r != 0 and files]
+    if others:
+        r, files = others[0]
+        raise ctx.fail(f"rank {r} wrote checkpoint files ({', '.join(files[:3])}): only rank 0 may write checkpoints "
+                       "(every rank writing the same path races and can leave a corrupt file)", **figures)
+    if Path(checkpoint).parent != ctx.workdir / "ckpt" / "rank0":
+        ctx.note(f"rank 0 wrote its checkpoint outside the checkpoint_dir it was given ({checkpoint}), so writes "
+                 "could not be attributed to ranks")
+    figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
+                          else f"max |d| {figures['max_abs_delta']:.0e} @{n} (ckpt @{k})")
+    return figures
+
+
+def _head(k: int, n: int) -> str:
+    return f"after resuming at step {k}, the run to step {n} differs from the uninterrupted one"
+
+
+def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first_weights: dict[str, Any] | None,
+              checkpoint: Path, n: int, k: int) -> str:
+    """Name what the checkpoint or the resume loses, from the states alone; "" if they cannot tell."""
+    by_part: dict[str, list[Difference]] = {}
+    for d in found:
+        by_part.setdefault(d.part, []).append(d)
+    head = _head(k, n)
+    if "counters" in by_part:
+        c = {d.key: d for d in by_part["counters"]}
+        if "global_step" in c:
+            return (f"the global step is not restored: {head} (global_step {c['global_step'].right} instead of "
+                    f"{c['global_step'].left})")
+        shown = ", ".join(f"{key} {d.right} instead of {d.left}" for key, d in c.items())
+        return (f"the epoch/position in the epoch is not restored: {head} ({shown}); the resumed run re-reads "
+                "the epoch from its first batch")
+    if first_weights is not None:
+        saved = parameters(part.params)
+        changed = [name for name, t in saved.items()
+                   if name in first_weights and not _equal(first_weights[name], t)]
+        if changed:
+            prefixed = _module_keys(checkpoint)
+            why = (f"; the checkpoint stores DDP-wrapped keys ({prefixed}) that the load silently drops "
+                   "(a non-strict load_state_dict?)" if prefixed else "")
+            return (f"the model weights are not restored: the resumed trainer starts step {k + 1} with weights that "
+                    f"differ from the checkpointed ones in {len(changed)} of {len(saved)} tensors "
+                    f"(e.g. {changed[0]}){why}")
+    if "scheduler" in by_part:
+        d = by_part["scheduler"][0]
+        return f"the LR scheduler state is not restored: {head} ({d.describe()})"
+    # optimizer *values* (moments) differ whenever the trajectory does; its step counts, missing
+    # entries or hyperparameters differ only when its state was not restored
+    lost = [d for d in by_part.get("optimizer", []) if d.key.endswith(".step") or d.delta is None]
+    if lost:
+        return f"the optimizer state is not restored: {head} ({lost[0].describe()})"
+    return ""
+
+
+def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: TrainState, part: TrainState,
+                 checkpoint: Path, at_checkpoint: tuple[Any, ...], n: int, k: int) -> str:
+    """Everything restored matched at step k, yet the continued run diverged: resume once more with
+    the RNG as it was at the checkpoint. Matching then means the RNG state is what is lost."""
+    head = _head(k, n)
+    _restore_rng(at_checkpoint)
+    again, _ = guarded_fit(ctx, "resumed-same-rng", n - k, lambda obs: ctx.adapter(config).resume(
+        checkpoint, n, observer=obs))
+    shown = [d for d in found if d.part == "params"] or found
+    worst = max(shown, key=lambda d: d.delta or 0.0) if shown else Difference("params", "?", "", "")
+    if not differences(full, again, tolerance(ctx)):
+        return (f"the RNG state is not restored: {head} ({worst.describe()}) when the RNG is disturbed before the "
+                f"resume, and matches when it is left as it was at step {k}: save and restore the torch/numpy/python "
+                "RNG states of every rank")
+    tail = full.losses[len(part.losses):]
+    diverge = next((i for i, (a, b) in enumerate(zip(tail, again.losses, strict=False)) if a != b), None)
+    at = f" from micro-batch {diverge} after the resume" if diverge is not None else ""
+    return (f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
+            f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
+            f"({worst.describe()})")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+
+
+def _module_keys(checkpoint: Path) -> str:
+    """An example of a `module.`-prefixed key in the checkpoint file, if it holds any."""
+    import torch
+
+    try:
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    except Exception:
+        return ""
+    stack = [payload]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if isinstance(key, str) and key.startswith("module."):
+                    return key
+                stack.append(value)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return ""

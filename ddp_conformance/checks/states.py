@@ -1,0 +1,117 @@
+"""Comparing training states: flattening nested states, bitwise differences, parameter digests.
+
+Shared by the checks that compare runs (resume_fidelity) or ranks (rank_participation). Parameters
+are told apart from buffers because BatchNorm running statistics are updated from each rank's own
+batch after DDP's buffer broadcast, so they legitimately differ between ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..adapter import TrainState
+
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested state (dicts, lists, tensors, numbers) as {dotted.path: leaf}."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flat(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if isinstance(value, (list, tuple)):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(flat(item, f"{prefix}[{index}]"))
+        return out
+    return {prefix: value}
+
+
+@dataclass(frozen=True)
+class Difference:
+    part: str  # params | optimizer | scheduler | counters
+    key: str
+    left: str  # the uninterrupted run's value, shown short
+    right: str  # the resumed run's value
+    delta: float | None = None  # max |left - right| for tensors
+
+    def describe(self) -> str:
+        if self.delta is not None and self.left.startswith("tensor"):
+            return f"{self.part} {self.key}: max |delta| {self.delta:.3g}"
+        return f"{self.part} {self.key}: {self.right} instead of {self.left}"
+
+
+def _short(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"{value.item():.6g}" if value.numel() == 1 else f"tensor{tuple(value.shape)}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return repr(value)
+
+
+def _same(x: Any, y: Any, rtol: float) -> tuple[bool, float | None]:
+    import torch
+
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False, None
+        if torch.equal(x, y):
+            return True, None
+        if not x.is_floating_point():
+            return False, float((x.double() - y.double()).abs().max())
+        delta = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        scale = float(x.double().abs().max()) if x.numel() else 0.0
+        return delta <= rtol * scale, delta
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return False, None
+    return x == y, None
+
+
+def differences(a: TrainState, b: TrainState, rtol: float = 0.0) -> list[Difference]:
+    """Every way state `b` differs from `a`: bitwise when rtol is 0, else floating-point tensors may
+    differ by rtol x their largest |value| (integers and counters always exactly)."""
+    found: list[Difference] = []
+    for part in ("params", "optimizer", "scheduler"):
+        left, right = flat(getattr(a, part) or {}), flat(getattr(b, part) or {})
+        for key in sorted(left.keys() | right.keys()):
+            if key not in right:
+                found.append(Difference(part, key, _short(left[key]), "missing"))
+            elif key not in left:
+                found.append(Difference(part, key, "missing", _short(right[key])))
+            else:
+                same, delta = _same(left[key], right[key], rtol)
+                if not same:
+                    found.append(Difference(part, key, _short(left[key]), _short(right[key]), delta))
+    for key, value in a.counters.items():
+        if b.counters[key] != value:
+            found.append(Difference("counters", key, repr(value), repr(b.counters[key])))
+    return found
+
+
+def parameters(params: dict[str, Any], names: list[str] | None = None) -> dict[str, Any]:
+    """The trained parameters of a state dict, without buffers (and without DDP's `module.`)."""
+    stripped = {k.removeprefix("module."): v for k, v in params.items()}
+    if names:
+        picked = {k: v for k, v in stripped.items() if k in set(names)}
+        if picked:
+            return picked
+    return {k: v for k, v in stripped.items() if not k.endswith(BUFFER_SUFFIXES)}
+
+
+def digest(tensors: dict[str, Any]) -> str:
+    """A hash of the tensors' names and exact bytes, to compare ranks without moving tensors."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,40 @@
+"""The conformance tests: one per trainer SPEC per check, each run on every rank of a gloo/nccl group.
+
+Parametrized in this module's own `pytest_generate_tests` from the session's `--ddp-trainer`
+SPECs, so the suite needs no conftest. The ranks receive strings (SPEC, rootdir, config path) and
+resolve them again: classes do not cross process boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_label
+from ddp_conformance.plugin import settings_of
+from ddp_conformance.report import CHECK_PROPERTY, TRAINER_PROPERTY
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.name != "test_conformance":
+        return
+    trainers = settings_of(metafunc.config).trainers
+    params = [pytest.param(spec, check, id=f"{trainer_label(spec)}-{check}")
+              for spec in trainers for check in CHECK_IDS]
+    metafunc.parametrize(("trainer", "check"), params)
+
+
+@pytest.fixture
+def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str) -> CheckOptions:
+    """Computed in the pytest process, pickled to the ranks. Also tags the test as a conformance
+    result for ddp_conformance.report (user properties travel with the report, xdist included)."""
+    request.node.user_properties.extend([(TRAINER_PROPERTY, trainer), (CHECK_PROPERTY, check)])
+    settings = settings_of(request.config)
+    marker = request.node.get_closest_marker("ddp")
+    timeout = float((marker.kwargs.get("timeout") if marker else None) or settings.timeout)
+    return CheckOptions(rootdir=str(request.config.rootpath), config_path=settings.config_path,
+                        stall_after=stall_seconds(timeout))
+
+
+@pytest.mark.ddp
+def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
+    run_check(check, trainer, conformance_options, ddp, tmp_path)

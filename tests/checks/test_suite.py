@@ -1,0 +1,106 @@
+"""The conformance suite on every mutant in fixtures/mutants/ and on both references, world size 2.
+
+A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail) and
+`DIAGNOSIS` (words its verdict must contain, so a failure names the bug). All trainers go through
+ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant would pay a cold rank
+pool and the ranks' first torch/Lightning imports every time. Its `--ddp-report` JSON is then read
+per trainer by the parametrized tests below, and its JUnit XML and terminal output by the others.
+
+`--ddp-timeout 20` gives the hang watchdog 2 s (`stall_seconds`): the mutant whose rank 1 never
+trains must be reported by the check naming rank 1, long before the harness's timeout.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_conformance.checks import CHECK_IDS
+
+ROOT = Path(__file__).resolve().parents[2]
+MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
+REFERENCES = ["torch", "lightning"]
+SPECS = REFERENCES + [f"{path}:Trainer" for path in MUTANTS]
+
+
+def declared(path: Path, name: str) -> Any:
+    """A mutant's BREAKS / DIAGNOSIS, read without importing it (that would import torch here)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path.name} does not define {name}")
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    workdir = tmp_path_factory.mktemp("suite")
+    report, junit = workdir / "report.json", workdir / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
+               "--ddp-world-size", "2", "--ddp-timeout", "20", "--ddp-report", str(report), f"--junitxml={junit}"]
+    for spec in SPECS:
+        command += ["--ddp-trainer", spec]
+    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=280)
+    assert report.is_file(), f"no report; pytest said:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads(report.read_text())
+    by_trainer: dict[str, dict[str, dict[str, Any]]] = {}
+    for result in doc["results"]:
+        by_trainer.setdefault(result["trainer"], {})[result["check"]] = result
+    return {"proc": proc, "doc": doc, "results": by_trainer, "junit": junit.read_text()}
+
+
+def test_reference_trainers_pass_every_check(session: dict[str, Any]) -> None:
+    for spec in REFERENCES:
+        results = session["results"][spec]
+        assert list(results) == list(CHECK_IDS)
+        failed = {c: r["message"] for c, r in results.items() if r["outcome"] != "passed"}
+        assert not failed, f"{spec}: {failed}"
+
+
+@pytest.mark.parametrize("path", MUTANTS, ids=[p.stem for p in MUTANTS])
+def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug(
+        session: dict[str, Any], path: Path) -> None:
+    breaks, diagnosis = declared(path, "BREAKS"), declared(path, "DIAGNOSIS")
+    assert breaks and set(breaks) <= set(CHECK_IDS)
+    results = session["results"][f"{path}:Trainer"]
+    assert list(results) == list(CHECK_IDS)
+    outcomes = {check: r["outcome"] for check, r in results.items()}
+    assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks), outcomes
+    for check, result in results.items():
+        assert result["outcome"] in ("passed", "failed", "skipped")
+        if result["outcome"] == "skipped":
+            assert result["message"], f"{check} skipped without a reason"
+    for check, words in diagnosis.items():
+        assert words in results[check]["message"], results[check]["message"]
+
+
+def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:
+    proven = set().union(*(declared(path, "BREAKS") for path in MUTANTS))
+    assert proven == set(CHECK_IDS)
+    assert len(MUTANTS) >= 12
+
+
+def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -> None:
+    doc, out = session["doc"], session["proc"].stdout
+    assert (doc["world_size"], doc["backend"]) == (2, "gloo")
+    assert len(doc["results"]) == len(SPECS) * len(CHECK_IDS)
+    assert set(doc["results"][0]) == {"trainer", "check", "outcome", "figures", "message"}
+    # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)
+    assert '<property name="saved_pct_of_grad_bytes"' in session["junit"]
+    assert '<property name="max_rel_delta"' in session["junit"]
+    assert "ddp conformance (world size 2, gloo)" in out
+    header = next(line for line in out.splitlines() if line.startswith("trainer "))
+    assert header.split() == ["trainer", *CHECK_IDS]
+    assert "test_conformance[no_set_epoch-sampler_disjointness]" in out  # ids name trainer and check
+
+
+def test_a_hang_is_reported_by_the_check_not_by_the_harness_timeout(session: dict[str, Any]) -> None:
+    results = session["results"][f"{ROOT / 'fixtures' / 'mutants' / 'rank_skips_training.py'}:Trainer"]
+    figures = results["rank_participation"]["figures"]
+    assert figures.get("hung") is True
+    assert figures["check_seconds"] < 10, "the watchdog must fire after ~2 s of no progress, not at the timeout"

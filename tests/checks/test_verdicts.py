@@ -1,0 +1,70 @@
+"""The pure parts of the checks' verdicts: hang diagnosis from progress records, trainer labels,
+and the report's matrix and JSON. No process group; the distributed behaviour is in test_suite.py."""
+
+from __future__ import annotations
+
+from ddp_conformance.checks import CHECK_IDS, stall_seconds, trainer_label
+from ddp_conformance.checks.progress import Progress, stall_verdict
+from ddp_conformance.report import matrix_lines
+
+
+def step(epoch: int, position: int, global_step: int) -> dict:
+    return {"rank": 0, "epoch": epoch, "global_step": global_step, "position": position, "batch_size": 4,
+            "optimizer_step": True, "loss": None}
+
+
+def test_a_rank_that_returned_early_is_named_with_its_step_and_the_waiting_rank():
+    progress = [Progress(rank=0, state="in_step", begun=4, finished=3, last=step(0, 3, 3)),
+                Progress(rank=1, state="done", begun=3, finished=3, last=step(0, 2, 2))]
+    text = stall_verdict(progress, 3.0, steps=4)
+    assert text.startswith("training hangs: rank 1 stopped at micro-batch 3 of a 4-step fit")
+    assert "rank 0 waits inside micro-batch 3 (epoch 0, batch 3, optimizer step 3)" in text
+    assert "left its training loop early" in text
+
+
+def test_a_rank_that_failed_is_named_with_its_error():
+    progress = [Progress(rank=0, state="in_step", begun=1, finished=0, last=step(0, 0, 0)),
+                Progress(rank=1, state="error", begun=1, finished=0, error="ValueError: boom"),
+                Progress(rank=2, state="in_step", begun=1, finished=0, last=step(0, 0, 0))]
+    text = stall_verdict(progress, 3.0, steps=4)
+    assert text.startswith("training hangs: rank 1 stopped at micro-batch 0")
+    assert "ValueError: boom" in text and "a rank that failed" in text
+    assert "rank 0 waits" in text and "rank 2 waits" in text
+
+
+def test_without_a_stopped_rank_the_rank_behind_is_named():
+    progress = [Progress(rank=0, state="in_step", begun=5, finished=4, last=step(0, 4, 4)),
+                Progress(rank=1, state="between", begun=3, finished=3, last=step(0, 2, 2))]
+    text = stall_verdict(progress, 12.0, steps=8)
+    assert text.startswith("training hangs: rank 1 stopped at micro-batch 3") and "fell behind" in text
+
+
+def test_all_ranks_stuck_alike_is_a_deadlock():
+    progress = [Progress(rank=r, state="in_step", begun=2, finished=1, last=step(0, 1, 1)) for r in range(2)]
+    assert "collective deadlock" in stall_verdict(progress, 12.0, steps=4)
+
+
+def test_stall_threshold_follows_the_timeout_within_bounds():
+    assert stall_seconds(120) == 12.0
+    assert stall_seconds(10) == 2.0
+    assert stall_seconds(1000) == 15.0
+
+
+def test_trainer_labels_are_short_and_readable():
+    assert trainer_label("torch") == "torch"
+    assert trainer_label("/abs/fixtures/mutants/no_set_epoch.py:Trainer") == "no_set_epoch"
+    assert trainer_label("adapters.py:MyTrainer") == "adapters.MyTrainer"
+    assert trainer_label("pkg.module:Trainer") == "module"
+
+
+def test_matrix_has_a_row_per_trainer_and_lists_failures_with_their_verdict():
+    results = [{"trainer": t, "check": c, "outcome": "passed", "figures": {"summary": "ok"}, "message": ""}
+               for t in ("torch", "x.py:Trainer") for c in CHECK_IDS]
+    results[5 + 2] = {"trainer": "x.py:Trainer", "check": CHECK_IDS[2], "outcome": "failed", "figures": {},
+                      "message": "gradients are exactly 1/2 of the single-process gradients: ..."}
+    lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": results})
+    assert lines[0].split() == ["trainer", *CHECK_IDS]
+    assert lines[1].startswith("torch") and lines[1].count("PASS ok") == 5
+    assert lines[2].startswith("x ") and "FAIL" in lines[2]
+    assert lines[-1] == ("x / gradient_equivalence failed: "
+                         "gradients are exactly 1/2 of the single-process gradients: ...")
