@@ -53,6 +53,7 @@ class ExternalRanks:
         self.requested_backend = requested_backend
         self.timeout = timeout
         self.backend: str | None = None
+        self.unusable_reason = ""
         self._seen: dict[str, int] = {}
 
     def skip_reason(self, world_size: int | None) -> str | None:

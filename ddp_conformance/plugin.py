@@ -23,6 +23,7 @@ pytest_plugins = ["ddp_conformance.report"]
 SESSION_KEY = pytest.StashKey["DistributedSession"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalRanks"]()
 TERM_KEY = pytest.StashKey[Any]()
+CONTEXT_KEY = pytest.StashKey[Any]()
 SETTINGS_KEY = pytest.StashKey[options.Settings]()
 PLAN_KEY = pytest.StashKey[DdpPlan]()
 DISPATCH_KEY = pytest.StashKey["Dispatch"]()
@@ -216,7 +217,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     launched = item.config.stash.get(EXTERNAL_KEY, None)
     if launched is not None:  # ranks are the launcher's: run here, on this rank
-        reason = launched.skip_reason(_launcher_world_size(item))
+        reason = launched.skip_reason(_launcher_world_size(item)) or launched.unusable_reason
         if reason:
             _skip_at_item(reason)
         launched.ensure_group()
@@ -251,7 +252,9 @@ def ddp(request: pytest.FixtureRequest) -> Any:
     In the parent this is the plan; on each rank the test receives its own `DdpContext`."""
     launched = request.config.stash.get(EXTERNAL_KEY, None)
     if launched is not None and request.node.get_closest_marker("ddp") is not None:
-        return launched.context()
+        context = launched.context()
+        request.node.stash[CONTEXT_KEY] = context  # its figures become the test's properties
+        return context
     plan = request.node.stash.get(PLAN_KEY, None)
     if plan is None:
         pytest.fail(f"{request.node.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp",
@@ -315,6 +318,14 @@ def _agree_across_launched_ranks(item: pytest.Item, when: str, report: pytest.Te
     launched = item.config.stash.get(EXTERNAL_KEY, None)
     if launched is None or item.get_closest_marker("ddp") is None or item.stash.get(AGREED_KEY, False):
         return
+    context = item.stash.get(CONTEXT_KEY, None)
+    if when == "call" and context is not None:
+        for key, value in context.figures.items():
+            report.user_properties.append((key, value))
+            item.user_properties.append((key, value))
+        if context.unusable_group:  # no pool to rebuild here: the remaining distributed tests skip
+            launched.unusable_reason = (f"the launcher's process group is unusable after {item.nodeid}: "
+                                        f"{context.unusable_group}")
     if when != "call" and not (when == "setup" and not report.passed):
         return
     item.stash[AGREED_KEY] = True

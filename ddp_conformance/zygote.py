@@ -24,7 +24,10 @@ from multiprocessing.connection import Connection
 
 from .messages import Exited, Fork, Forked, Ready, receive, send
 
-PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
+# what every rank needs sooner or later; torch._dynamo alone costs a rank ~3 s at its first optimizer
+# or DDP construction, and importing it also writes into os.environ (reset in each forked rank)
+PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "torch._dynamo", "pytest",
+           "_pytest.assertion.rewrite", "_pytest._code")
 
 
 class Zygote:
