@@ -26,6 +26,9 @@ from ddp_conformance.checks import CHECK_IDS
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
+
+# one xdist worker runs all of these, so the nested session (the module fixture) runs once
+pytestmark = pytest.mark.xdist_group("conformance-suite")
 SPECS = REFERENCES + [f"{path}:Trainer" for path in MUTANTS]
 
 
