@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .guard import GuardedAdapter
+
 if TYPE_CHECKING:
     from ..adapter import RankContext, TrainerAdapter
     from ..config import RunConfig
@@ -94,9 +96,9 @@ class CheckContext:
         """A fresh adapter, set up with `config` (default: the run's config). Counted as the
         trainer's time: building it may import the trainer's framework (Lightning: ~3 s once)."""
         with self.training():
-            adapter = self.factory()
+            adapter = GuardedAdapter(self.factory())
             adapter.setup(config or self.config, replace(self.rank_ctx, workdir=self.workdir))
-        return adapter
+        return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
     def note(self, text: str) -> None:
         """Something the check changed or could not do; reported with the figures."""

@@ -1,0 +1,67 @@
+"""Used from another repo, as a CI gate: examples/ci_gate (its own loop, one adapter, one line of
+pytest config) driven end to end; and faulty trainers that must give one clear line each while the
+session goes on."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ["--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider"]
+
+
+def results(path: Path) -> dict[str, dict]:
+    return {entry["check"]: entry for entry in json.loads(path.read_text())["results"]}
+
+
+def test_example_repo_is_gated_by_the_suite(pytester: pytest.Pytester) -> None:
+    repo = pytester.path / "repo"
+    shutil.copytree(ROOT / "examples" / "ci_gate", repo)
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pytest", *SUITE, *extra], cwd=repo, capture_output=True,
+                              text=True, timeout=240)
+
+    ok = run("--ddp-report", "report.json", "--junitxml", "junit.xml")
+    assert ok.returncode == 0, ok.stdout[-3000:]
+    found = results(repo / "report.json")
+    assert [found[c]["outcome"] for c in ("rank_participation", "sampler_disjointness", "gradient_equivalence",
+                                         "resume_fidelity")] == ["passed"] * 4
+    assert found["bucket_view_memory"]["outcome"] in ("passed", "skipped")  # skipped: says why
+    assert found["bucket_view_memory"]["message"] or found["bucket_view_memory"]["outcome"] == "passed"
+    assert "<property " in (repo / "junit.xml").read_text()  # the figures reach the CI's JUnit view
+
+    # the repo's loop loses its set_epoch call: the gate goes red (pytest's exit code 1)
+    train = repo / "train.py"
+    train.write_text(train.read_text().replace("    sampler.set_epoch(epoch)\n", ""))
+    red = run("-k", "sampler_disjointness", "--ddp-report", "red.json")
+    assert red.returncode == 1, red.stdout[-3000:]
+    verdict = results(repo / "red.json")["sampler_disjointness"]
+    assert verdict["outcome"] == "failed" and "set_epoch" in verdict["message"]
+
+
+def test_faulty_trainers_get_one_clear_line_and_the_session_goes_on(pytester: pytest.Pytester) -> None:
+    faulty = ROOT / "fixtures" / "faulty"
+    result = pytester.runpytest_subprocess(
+        *SUITE, "--ddp-trainer", f"{faulty / 'truncated_checkpoint.py'}:Trainer",
+        "--ddp-trainer", f"{faulty / 'raising_adapter.py'}:Trainer",
+        "-k", "resume_fidelity or gradient_equivalence", "--ddp-report", "report.json",
+    )
+    result.assert_outcomes(passed=1, failed=3)  # truncated's gradient check passes after the failures
+    out = result.stdout.str()
+    # the thing at fault is named: the trainer, the call, the checkpoint file
+    result.stdout.fnmatch_lines(
+        ["2 of 2 ranks failed: ranks 0, 1 failed: AdapterError: trainer truncated_checkpoint: resume raised *"])
+    assert any("AdapterError" in line and "(called as resume(" in line and ".pt, 13)" in line
+               for line in result.stdout.lines), out
+    result.stdout.fnmatch_lines(
+        ["2 of 2 ranks failed: ranks 0, 1 failed: AdapterError: trainer raising_adapter: * raised KeyError: "
+         "*model.hidden_sizes is missing*"]
+    )
+    assert out.count("Traceback (most recent call last)") == 0
