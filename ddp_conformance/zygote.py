@@ -24,10 +24,13 @@ from multiprocessing.connection import Connection
 
 from .messages import Exited, Fork, Forked, Ready, receive, send
 
-# what every rank needs sooner or later; torch._dynamo alone costs a rank ~3 s at its first optimizer
-# or DDP construction, and importing it also writes into os.environ (reset in each forked rank)
-PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "torch._dynamo", "pytest",
-           "_pytest.assertion.rewrite", "_pytest._code")
+# what a rank needs to join a group and run a test: imported before the zygote says it is ready
+PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
+# what most ranks need sooner or later (torch._dynamo alone costs a rank ~3 s at its first optimizer
+# or DDP construction): imported while the zygote is idle, one module at a time, so a fork request
+# never waits for all of them and the first pool starts as fast as a bare spawn
+WARMUP = ("torch.optim", "torch.nn.parallel", "torch._dynamo")
+WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
 
 
 class Zygote:
@@ -184,12 +187,17 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     for name in PRELOAD:
         __import__(name)
+    warmup = list(WARMUP)
+    busy_until = time.monotonic() + WARMUP_AFTER_IDLE
     try:
         send(conn, Ready(pid=os.getpid()))
         while True:
             _reap(conn)
             if not conn.poll(0.02):
+                if warmup and time.monotonic() > busy_until:
+                    __import__(warmup.pop(0))  # (torch._dynamo also writes os.environ: reset per rank)
                 continue
+            busy_until = time.monotonic() + WARMUP_AFTER_IDLE
             request = receive(conn)
             if isinstance(request, Fork):
                 me = os.getpid()
