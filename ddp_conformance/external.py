@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -108,10 +109,11 @@ class ExternalRanks:
 
     def arm_watchdog(self, timeout: float) -> None:
         """No supervisor here to kill a hung test: past its limit, print every thread's stack and end
-        this rank (the launcher then ends the others), rather than hold the CI job."""
+        this rank (the launcher then ends the others), rather than hold the CI job. The stacks go to
+        the terminal pytest had before it started capturing: a captured stream dies with the rank."""
         import faulthandler
 
-        faulthandler.dump_traceback_later(timeout, exit=True)
+        faulthandler.dump_traceback_later(timeout, exit=True, file=_terminal())
 
     @staticmethod
     def disarm_watchdog() -> None:
@@ -132,6 +134,21 @@ class ExternalRanks:
                 store.set(f"{AGREE_KEY}/rank0-done", b"1")
             else:
                 store.wait([f"{AGREE_KEY}/rank0-done"], timedelta(seconds=min(self.timeout, 120)))
+
+
+_TERMINAL: Any = None
+
+
+def remember_terminal() -> None:
+    """Keep a handle on the real stderr; called when the plugin registers, before pytest's capture
+    redirects file descriptor 2."""
+    global _TERMINAL
+    if _TERMINAL is None:
+        _TERMINAL = os.fdopen(os.dup(2), "w")
+
+
+def _terminal() -> Any:
+    return _TERMINAL if _TERMINAL is not None else sys.__stderr__
 
 
 def quiet_non_zero_rank(config: pytest.Config) -> None:

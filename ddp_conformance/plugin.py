@@ -65,6 +65,8 @@ def _failure(text: str, exc_type: tuple[str, str] | None) -> DistributedTestFail
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_options(parser)
+    if external.launched_externally():
+        external.remember_terminal()
 
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml reads its path: other ranks must not clobber it
@@ -328,6 +330,7 @@ def _agree_across_launched_ranks(item: pytest.Item, when: str, report: pytest.Te
                                         f"{context.unusable_group}")
     if when != "call" and not (when == "setup" and not report.passed):
         return
+    launched.disarm_watchdog()  # the test is over here; waiting for the others has its own limit
     item.stash[AGREED_KEY] = True
     summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
     if when == "setup" and report.failed:

@@ -99,3 +99,30 @@ def test_xdist_workers_each_run_their_own_pool(pytester: pytest.Pytester) -> Non
     # both workers ran tests, each on its own pool: their rendezvous never met
     assert len(pools) == 2, result.stdout.str()
     assert not set.intersection(*pools.values())
+
+
+def test_under_torchrun_a_hang_is_ended_with_every_thread_stack(pytester: pytest.Pytester) -> None:
+    """No supervisor under a launcher: past the test's limit the rank dumps its stacks and ends, and the
+    launcher ends the others, instead of holding the CI job."""
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        def wait_for_data_that_never_comes():
+            time.sleep(120)
+
+        @pytest.mark.ddp(timeout=3)
+        def test_hangs_on_rank1(ddp):
+            if ddp.rank == 1:
+                wait_for_data_that_never_comes()
+        """
+    )
+    result = pytester.run(
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "pytest", "-p", "no:cacheprovider", str(pytester.path), timeout=90,
+    )
+    assert result.ret != 0
+    output = result.stdout.str() + result.stderr.str()
+    assert "Timeout (0:00:03)!" in output
+    assert "in wait_for_data_that_never_comes" in output

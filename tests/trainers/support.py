@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_conformance.adapter import RankContext, TrainerAdapter, TrainState
+from ddp_conformance.checks.states import flat
 from ddp_conformance.config import RunConfig, load_config, reconcile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,21 +39,6 @@ def make(cls: type[TrainerAdapter], config: RunConfig, ctx: RankContext) -> Any:
     adapter = cls()
     adapter.setup(config, ctx)
     return adapter
-
-
-def flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested state (dicts, lists, tensors, numbers) as {path: leaf}, for exact comparison."""
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(flat(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    if isinstance(value, (list, tuple)):
-        out = {}
-        for index, item in enumerate(value):
-            out.update(flat(item, f"{prefix}[{index}]"))
-        return out
-    return {prefix: value}
 
 
 def differences(a: TrainState, b: TrainState) -> list[str]:
