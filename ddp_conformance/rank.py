@@ -35,9 +35,9 @@ def die_with_parent() -> None:
 
 
 def connect(address: str) -> Connection:
-    """One duplex channel to the pool (an abstract Unix socket on Linux, a socket file elsewhere)."""
+    """One duplex channel to the pool: a Unix socket in the pool's private directory."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect("\0" + address[1:] if address.startswith("@") else address)
+    sock.connect(address)
     return Connection(sock.detach())
 
 
