@@ -22,6 +22,8 @@ import pytest
 from .context import DdpContext
 
 AGREE_KEY = "ddp-conformance/outcome"
+AGREED_KEY = pytest.StashKey[bool]()
+CONTEXT_KEY = pytest.StashKey[DdpContext]()
 
 
 def launched_externally(environ: dict[str, str] | None = None) -> bool:
@@ -134,6 +136,29 @@ class ExternalRanks:
                 store.set(f"{AGREE_KEY}/rank0-done", b"1")
             else:
                 store.wait([f"{AGREE_KEY}/rank0-done"], timedelta(seconds=min(self.timeout, 120)))
+
+    def agree_on_report(self, item: pytest.Item, when: str, report: pytest.TestReport) -> None:
+        """A rank agrees once per marked test: at its call, or at a setup that did not pass (no call
+        follows), so a failure anywhere is a failure everywhere."""
+        if item.stash.get(AGREED_KEY, False):
+            return
+        context = item.stash.get(CONTEXT_KEY, None)
+        if when == "call" and context is not None:
+            for key, value in context.figures.items():
+                report.user_properties.append((key, value))
+                item.user_properties.append((key, value))
+            if context.unusable_group:  # no pool to rebuild here: the remaining distributed tests skip
+                self.unusable_reason = (f"the launcher's process group is unusable after {item.nodeid}: "
+                                        f"{context.unusable_group}")
+        if when != "call" and not (when == "setup" and not report.passed):
+            return
+        self.disarm_watchdog()  # the test is over here; waiting for the others has its own limit
+        item.stash[AGREED_KEY] = True
+        summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
+        if when == "setup" and report.failed:
+            summary = "error in setup:\n" + summary
+        outcomes = self.agree(item.nodeid, report.outcome, summary[-4000:])
+        merge_report(report, self.me.rank, outcomes)
 
 
 _TERMINAL: Any = None

@@ -7,7 +7,6 @@ in `runtime`. Loading this module imports neither torch nor lightning.
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,13 +16,13 @@ import pytest
 from . import external, options
 from .context import DdpPlan
 from .messages import SKIPPED, XFAILED
+from .verdict import DistributedTestFailure, failure_exception
 
 pytest_plugins = ["ddp_conformance.report"]
 
 SESSION_KEY = pytest.StashKey["DistributedSession"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalRanks"]()
 TERM_KEY = pytest.StashKey[Any]()
-CONTEXT_KEY = pytest.StashKey[Any]()
 SETTINGS_KEY = pytest.StashKey[options.Settings]()
 PLAN_KEY = pytest.StashKey[DdpPlan]()
 DISPATCH_KEY = pytest.StashKey["Dispatch"]()
@@ -32,35 +31,6 @@ MARKER_HELP = (
     "ddp(world_size=None, timeout=None): run the test body on every rank of an initialised process "
     "group; world_size an int or a list of ints (one test id each), default --ddp-world-size."
 )
-
-
-class DistributedTestFailure(Exception):
-    """Raised in the parent when ranks failed; its report is the verdict, not this traceback."""
-
-    verdict_text = ""
-
-
-def _failure(text: str, exc_type: tuple[str, str] | None) -> DistributedTestFailure:
-    """The parent's exception for a failed distributed test. Where the ranks' exception class can be
-    found here, the failure is also an instance of it, so `xfail(raises=ValueError)` and
-    `pytest.raises`-style expectations see the type the ranks raised."""
-    cls: type[DistributedTestFailure] = DistributedTestFailure
-    if exc_type is not None:
-        target: Any = sys.modules.get(exc_type[0])
-        for part in exc_type[1].split("."):
-            target = getattr(target, part, None)
-        if isinstance(target, type) and issubclass(target, Exception) and target is not Exception:
-            try:
-                cls = type(target.__name__, (DistributedTestFailure, target), {})
-            except TypeError:
-                cls = DistributedTestFailure
-    try:
-        failure = Exception.__new__(cls)
-        Exception.__init__(failure, text.splitlines()[0] if text else "")
-    except Exception:
-        failure = DistributedTestFailure(text.splitlines()[0] if text else "")
-    failure.verdict_text = text
-    return failure
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -255,7 +225,7 @@ def ddp(request: pytest.FixtureRequest) -> Any:
     launched = request.config.stash.get(EXTERNAL_KEY, None)
     if launched is not None and request.node.get_closest_marker("ddp") is not None:
         context = launched.context()
-        request.node.stash[CONTEXT_KEY] = context  # its figures become the test's properties
+        request.node.stash[external.CONTEXT_KEY] = context  # its figures become the test's properties
         return context
     plan = request.node.stash.get(PLAN_KEY, None)
     if plan is None:
@@ -293,7 +263,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if verdict.outcome == XFAILED:
         pytest.xfail(verdict.headline)
     if verdict.failing_ranks or verdict.outcome == "failed":
-        raise _failure(verdict.render(), verdict.exc_type)
+        raise failure_exception(verdict.render(), verdict.exc_type)
     return True
 
 
@@ -302,38 +272,12 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
         external.ExternalRanks.disarm_watchdog()
 
 
-AGREED_KEY = pytest.StashKey[bool]()
-
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     report = yield
     if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
         report.longrepr = call.excinfo.value.verdict_text
-    _agree_across_launched_ranks(item, call.when, report)
-    return report
-
-
-def _agree_across_launched_ranks(item: pytest.Item, when: str, report: pytest.TestReport) -> None:
-    """Under torchrun, a rank agrees once per marked test: at its call, or at a setup that did not
-    pass (no call follows), so a failure anywhere is a failure everywhere."""
     launched = item.config.stash.get(EXTERNAL_KEY, None)
-    if launched is None or item.get_closest_marker("ddp") is None or item.stash.get(AGREED_KEY, False):
-        return
-    context = item.stash.get(CONTEXT_KEY, None)
-    if when == "call" and context is not None:
-        for key, value in context.figures.items():
-            report.user_properties.append((key, value))
-            item.user_properties.append((key, value))
-        if context.unusable_group:  # no pool to rebuild here: the remaining distributed tests skip
-            launched.unusable_reason = (f"the launcher's process group is unusable after {item.nodeid}: "
-                                        f"{context.unusable_group}")
-    if when != "call" and not (when == "setup" and not report.passed):
-        return
-    launched.disarm_watchdog()  # the test is over here; waiting for the others has its own limit
-    item.stash[AGREED_KEY] = True
-    summary = "" if report.passed else (getattr(report, "longreprtext", "") or str(report.longrepr))
-    if when == "setup" and report.failed:
-        summary = "error in setup:\n" + summary
-    outcomes = launched.agree(item.nodeid, report.outcome, summary[-4000:])
-    external.merge_report(report, launched.me.rank, outcomes)
+    if launched is not None and item.get_closest_marker("ddp") is not None:
+        launched.agree_on_report(item, call.when, report)
+    return report

@@ -7,6 +7,7 @@ identical tracebacks ("ranks 1, 3"), and puts the first failing rank's cause in 
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,3 +159,32 @@ def prefixed_output(run: PoolRun) -> str:
         for line in run.output[rank].splitlines():
             lines.append(f"[rank {rank}] {line}")
     return "\n".join(lines)
+
+
+class DistributedTestFailure(Exception):
+    """Raised in the parent when ranks failed; its report is the verdict, not this traceback."""
+
+    verdict_text = ""
+
+
+def failure_exception(text: str, exc_type: tuple[str, str] | None) -> DistributedTestFailure:
+    """The parent's exception for a failed distributed test. Where the ranks' exception class can be
+    found here, the failure is also an instance of it, so `xfail(raises=ValueError)` and
+    `pytest.raises`-style expectations see the type the ranks raised."""
+    cls: type[DistributedTestFailure] = DistributedTestFailure
+    if exc_type is not None:
+        target: Any = sys.modules.get(exc_type[0])
+        for part in exc_type[1].split("."):
+            target = getattr(target, part, None)
+        if isinstance(target, type) and issubclass(target, Exception) and target is not Exception:
+            try:
+                cls = type(target.__name__, (DistributedTestFailure, target), {})
+            except TypeError:
+                cls = DistributedTestFailure
+    try:
+        failure = Exception.__new__(cls)
+        Exception.__init__(failure, text.splitlines()[0] if text else "")
+    except Exception:
+        failure = DistributedTestFailure(text.splitlines()[0] if text else "")
+    failure.verdict_text = text
+    return failure
