@@ -111,22 +111,36 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     }
     saved = (f"measured saving {human_bytes(worst['saving'])}, {figures['saved_pct_of_grad_bytes']}% of one gradient "
              f"copy ({human_bytes(grad_bytes)})")
-    if not first.is_ddp:
-        raise ctx.fail(f"the model is not wrapped in DistributedDataParallel (wrap returned a {first.wrapped_type}): "
-                       f"there are no buckets for the gradients to be views of ({saved})", **figures)
-    if not first.ddp_flag:
-        raise ctx.fail("gradient_as_bucket_view: true never reaches DDP: the DistributedDataParallel the trainer "
-                       f"builds reports gradient_as_bucket_view=False (the config value is not passed on) ({saved})",
-                       **figures)
-    # one storage per bucket once DDP reports its rebuilt buckets; before that, at least shared ones
-    shared = first.grad_storages <= first.buckets if first.buckets else first.grad_storages < first.grads
-    if not first.all_views or not shared:
-        raise ctx.fail("the gradients are not DDP's bucket views after the step although DDP has "
-                       "gradient_as_bucket_view=True: something replaces param.grad after backward (a clone?), "
-                       f"keeping a second copy ({first.grad_storages} grad storages for {first.buckets} buckets; "
-                       f"{saved})", **figures)
-    if worst["saving"] < REQUIRED_SAVING * grad_bytes:
-        raise ctx.fail(f"gradient_as_bucket_view saves less than {int(100 * REQUIRED_SAVING)}% of one gradient copy: "
-                       f"{saved}, on the worst rank", **figures)
+    # the layout verdict of every rank, so all ranks give the same one (rank 0's is not the only witness)
+    problems = [p for p in all_gather(layout_problem(first)) if p]
+    if problems:
+        raise ctx.fail(f"{problems[0]} ({saved})", **figures)
+    problem = saving_problem(worst["saving"], grad_bytes)
+    if problem:
+        raise ctx.fail(f"{problem}: {saved}, on the worst rank", **figures)
     figures["summary"] = f"saved {figures['saved_pct_of_grad_bytes']}% of grads"
     return figures
+
+
+def layout_problem(step: Any) -> str | None:
+    """What is wrong with the gradients' layout after a step with the flag on, if anything."""
+    if not step.is_ddp:
+        return (f"the model is not wrapped in DistributedDataParallel (wrap returned a {step.wrapped_type}): "
+                "there are no buckets for the gradients to be views of")
+    if not step.ddp_flag:
+        return ("gradient_as_bucket_view: true never reaches DDP: the DistributedDataParallel the trainer "
+                "builds reports gradient_as_bucket_view=False (the config value is not passed on)")
+    # one storage per bucket once DDP reports its rebuilt buckets; before that, at least shared ones
+    shared = step.grad_storages <= step.buckets if step.buckets else step.grad_storages < step.grads
+    if not step.all_views or not shared:
+        return ("the gradients are not DDP's bucket views after the step although DDP has "
+                "gradient_as_bucket_view=True: something replaces param.grad after backward (a clone?), "
+                f"keeping a second copy ({step.grad_storages} grad storages for {step.buckets} buckets)")
+    return None
+
+
+def saving_problem(saving: float, grad_bytes: int) -> str | None:
+    """The measured saving against the promise: one copy of the gradients, within measurement noise."""
+    if saving < REQUIRED_SAVING * grad_bytes:
+        return f"gradient_as_bucket_view saves less than {int(100 * REQUIRED_SAVING)}% of one gradient copy"
+    return None

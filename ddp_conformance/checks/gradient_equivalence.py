@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 
-RTOL = {"32-true": 1e-5, "bf16-mixed": 2e-2, "16-mixed": 5e-3}
+# only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
+# measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed
+# (Lightning and reconcile() say so); on CUDA it has no measured figure here yet, so the check skips.
+RTOL = {"32-true": 1e-5, "bf16-mixed": 2e-2}
 EXTRA_STEPS = 3
 SGD_LR = 0.05
 
@@ -93,14 +98,18 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
 
     precision = config.trainer.precision
-    rtol = RTOL.get(precision, RTOL["bf16-mixed"])
+    rtol = RTOL.get(precision)
+    if rtol is None:
+        pytest.skip(f"no measured gradient tolerance for precision {precision!r} "
+                    f"(measured: {', '.join(RTOL)}); the check would be guessing")
     name, delta, scale = _max_delta(ddp_g, single_g)
     tolerance = rtol * scale
     figures: dict[str, Any] = {"precision": precision, "rtol": rtol, "per_rank_batch": per_rank,
                                "worst_parameter": name, "max_abs_delta": delta, "tolerance": tolerance,
                                "max_rel_delta": delta / scale if scale else 0.0}
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
-    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world))
+    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world,
+                                   accumulate))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
@@ -130,7 +139,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
-             name: str, delta: float, tolerance: float, rtol: float, world: int) -> str:
+             name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1) -> str:
     """This rank's diagnosis, or "" when the gradients match."""
     if missing:
         return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
@@ -143,6 +152,9 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
         return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is summed where DDP "
                 f"averages (use a mean reduction) {where}")
+    if accumulate > 1 and abs(ratio * world * accumulate - 1) < close and residual < close:
+        return (f"gradients are exactly 1/{world * accumulate} (1/world size x 1/accumulation) of the single-process "
+                f"gradients: the loss is summed where DDP averages (use a mean reduction) {where}")
     if world > 1 and abs(ratio / world - 1) < close and residual < close:
         return (f"gradients are exactly {world}x the single-process gradients: they are summed over ranks, not "
                 f"averaged {where}")

@@ -78,6 +78,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if len(digests) > 1:
         raise ctx.fail(_divergence(state, capture.names, wrapped, is_ddp, micro[0]), **figures)
     if not figures["losses_differ_between_ranks"] and ctx.world_size > 1:
+        if is_ddp is False:
+            raise ctx.fail(f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): "
+                           "the ranks' parameters agree only because every rank saw the same data", **figures)
+        if is_ddp is None:
+            pytest.skip("every rank saw the same data and the fit never showed its model (FitObserver.on_wrapped): "
+                        "identical parameters cannot prove the all-reduce here; see sampler_disjointness")
         ctx.note("every rank saw the same losses (the same data?): identical parameters do not prove the "
                  "all-reduce here; see sampler_disjointness")
     figures["summary"] = f"{micro[0]} fwd/bwd/rank, in sync"

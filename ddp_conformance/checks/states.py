@@ -89,8 +89,9 @@ def differences(a: TrainState, b: TrainState, rtol: float = 0.0) -> list[Differe
                 if not same:
                     found.append(Difference(part, key, _short(left[key]), _short(right[key]), delta))
     for key, value in a.counters.items():
-        if b.counters[key] != value:
-            found.append(Difference("counters", key, repr(value), repr(b.counters[key])))
+        got = b.counters.get(key, "missing")
+        if got != value:
+            found.append(Difference("counters", key, repr(value), repr(got)))
     return found
 
 

@@ -68,3 +68,35 @@ def test_matrix_has_a_row_per_trainer_and_lists_failures_with_their_verdict():
     assert lines[2].startswith("x ") and "FAIL" in lines[2]
     assert lines[-1] == ("x / gradient_equivalence failed: "
                          "gradients are exactly 1/2 of the single-process gradients: ...")
+
+
+def test_bucket_view_verdicts_and_the_saving_threshold():
+    from types import SimpleNamespace
+
+    from ddp_conformance.checks.bucket_view_memory import layout_problem, saving_problem
+
+    good = SimpleNamespace(is_ddp=True, wrapped_type="DistributedDataParallel", ddp_flag=True, all_views=True,
+                           grad_storages=2, buckets=2, grads=6)
+    assert layout_problem(good) is None
+    assert "not wrapped" in layout_problem(SimpleNamespace(**{**vars(good), "is_ddp": False}))
+    assert "never reaches DDP" in layout_problem(SimpleNamespace(**{**vars(good), "ddp_flag": False}))
+    assert "a clone?" in layout_problem(SimpleNamespace(**{**vars(good), "all_views": False}))
+    assert "a clone?" in layout_problem(SimpleNamespace(**{**vars(good), "grad_storages": 6}))
+    grad_bytes = 1 << 20
+    assert saving_problem(1.0 * grad_bytes, grad_bytes) is None
+    assert saving_problem(0.91 * grad_bytes, grad_bytes) is None
+    assert "saves less than 90%" in saving_problem(0.5 * grad_bytes, grad_bytes)
+    assert "saves less than 90%" in saving_problem(0, grad_bytes)
+
+
+def test_a_summed_loss_is_named_with_accumulation_too():
+    import torch
+
+    from ddp_conformance.checks.gradient_equivalence import _verdict
+
+    single = {"w": torch.ones(4)}
+    own = {"w": torch.full((4,), 7.0)}
+    text = _verdict({"w": single["w"] / 2}, single, own, [], "w", 0.5, 1e-5, 1e-5, world=2)
+    assert "exactly 1/2" in text and "summed" in text
+    text = _verdict({"w": single["w"] / 4}, single, own, [], "w", 0.75, 1e-5, 1e-5, world=2, accumulate=2)
+    assert "exactly 1/4" in text and "summed" in text

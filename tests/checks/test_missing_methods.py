@@ -1,0 +1,45 @@
+"""An adapter that provides only part of the interface: the checks it can serve run, the others are
+skipped with the reason naming the trainer and the missing method (never failed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PARTIAL_ADAPTER = """
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from ddp_conformance.adapter import TrainerAdapter
+
+
+class OnlyData(TrainerAdapter):
+    name = "only-data"
+
+    def make_dataset(self, size=None):
+        n = size or 40
+        return TensorDataset(torch.arange(n), torch.randn(n, 4))
+
+    def make_loader(self, dataset, *, rank, world_size, epoch):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        return DataLoader(dataset, batch_size=4, sampler=sampler)
+
+    def batch_indices(self, batch):
+        return batch[0].tolist()
+"""
+
+
+def test_missing_adapter_methods_skip_with_the_reason(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(partial_adapter=PARTIAL_ADAPTER)
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider", "-rs",
+        "--ddp-trainer", "partial_adapter.py:OnlyData", "--ddp-report", "report.json",
+    )
+    result.assert_outcomes(passed=1, skipped=4)
+    outcomes = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
+    assert outcomes["sampler_disjointness"]["outcome"] == "passed"
+    for check in ("rank_participation", "gradient_equivalence", "resume_fidelity", "bucket_view_memory"):
+        assert outcomes[check]["outcome"] == "skipped"
+        assert "trainer only-data does not provide" in outcomes[check]["message"], outcomes[check]
