@@ -88,12 +88,12 @@ def _restore_rng(state: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state_all(state[3])
 
 
-CPU_MANY_RANKS_RTOL = 2e-6  # ~16x the largest measured difference (1.2e-7, world size 4, both references)
+CPU_MANY_RANKS_RTOL = 5e-5  # ~10x the largest measured difference: 4.9e-6 (ws 3, basic.yaml, BatchNorm), 1.2e-7 (ws 4)
 CUDA_RTOL = 1e-4  # not measured here (no GPU on this project's machines): nondeterministic kernels
 
 
 def tolerance(ctx: CheckContext) -> float:
-    """0 (bitwise) on CPU up to 2 ranks; 2e-6 relative per tensor on CPU above; 1e-4 on CUDA.
+    """0 (bitwise) on CPU up to 2 ranks; 5e-5 relative per tensor on CPU above; 1e-4 on CUDA.
 
     A resumed run's fresh DDP reduces its first step in the *initial* bucket layout; the
     uninterrupted run has long since rebuilt its buckets (in gradient-ready order, after iteration
