@@ -16,6 +16,15 @@ from typing import Any
 PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 
 
+@dataclass(frozen=True)
+class ConfigRecipe:
+    """How a rank rebuilds the parent's pytest Config: its command line, option values and directory."""
+
+    args: tuple[str, ...]
+    options: bytes  # pickled dict of the parent's picklable option values
+    invocation_dir: str
+
+
 @dataclass
 class Task:
     """A reference to one test: where its function lives and the fixture values it was given."""
@@ -28,7 +37,8 @@ class Task:
     sys_path: list[str]
     cwd: str
     tbstyle: str = "long"
-    verbosity: int = 0
+    pytest_config: ConfigRecipe | None = None  # None: no pytest explanations (bare pool benchmarks)
+    conftests: tuple[str, ...] = ()  # the parent's conftest files that apply to the test's file
     instance: bytes | None = None  # the pytest-made instance of the test's class (setup_method state)
     # modules of the user's tree the parent imported: name -> (file, asserts rewritten). Lets a rank
     # import what pytest imported its own way (importlib mode, conftests, packages without sys.path)

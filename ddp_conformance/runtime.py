@@ -21,6 +21,7 @@ import types
 from typing import Any
 
 from .context import DdpContext, DdpPlan
+from .introspection import RankAssertions
 from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
 
 _modules: dict[str, tuple[float, types.ModuleType]] = {}
@@ -122,57 +123,6 @@ def _ensure_parents(name: str, path: str) -> None:
         directory = os.path.dirname(directory)
 
 
-class _ShimConfig:
-    """The two things `assertrepr_compare` asks of pytest's Config, without a Config in the rank."""
-
-    VERBOSITY_ASSERTIONS = "assertions"
-
-    def __init__(self, verbosity: int) -> None:
-        self.verbosity = verbosity
-
-    def get_verbosity(self, _kind: str | None = None) -> int:
-        return self.verbosity
-
-    def get_terminal_writer(self) -> Any:
-        return types.SimpleNamespace(_highlight=lambda source, lexer="python": source)
-
-
-_installed_verbosity: int | None = None
-
-
-def install_reprcompare(verbosity: int) -> None:
-    """Set pytest's private `_reprcompare` in this rank, guarded: its signature differs between pytest
-    8/9.0 (config first) and 9.2+ (keywords). Without it asserts still fail, only less explained."""
-    global _installed_verbosity
-    if _installed_verbosity == verbosity:
-        return
-    from _pytest.assertion import util
-
-    compare = util.assertrepr_compare
-    params = inspect.signature(compare).parameters
-    shim = _ShimConfig(verbosity)
-
-    def explain(op: str, left: object, right: object) -> str | None:
-        try:
-            if "config" in params:
-                lines = compare(shim, op, left, right)
-            else:
-                extra: dict[str, Any] = {}
-                if "verbose" in params:
-                    extra["verbose"] = verbosity
-                if "highlighter" in params:
-                    extra["highlighter"] = shim.get_terminal_writer()._highlight
-                lines = compare(op, left, right, **extra)
-        except Exception:
-            return None
-        if not lines:
-            return None
-        return "\n~".join(line.replace("\n", "\\n") for line in lines).replace("%", "%%")
-
-    util._reprcompare = explain
-    _installed_verbosity = verbosity
-
-
 def format_failure(exc: BaseException, func: Any, style: str) -> str:
     """pytest's own long representation, cut to start at the test function as pytest does."""
     from _pytest._code import Code, ExceptionInfo
@@ -197,6 +147,18 @@ def format_failure(exc: BaseException, func: Any, style: str) -> str:
     # not str(): TerminalRepr.__str__ strips, eating the first source line's indentation
     info.getrepr(style=style, funcargs=False, truncate_locals=True).toterminal(writer)
     return buffer.getvalue().rstrip()
+
+
+_assertions = RankAssertions()
+
+
+def _explained(task: Task) -> contextlib.AbstractContextManager[None]:
+    """pytest's assertion explanations around the test, as a plain test gets them."""
+    if task.pytest_config is None:
+        return contextlib.nullcontext()
+    names = {file: name for name, (file, _) in task.local_modules.items()}
+    conftests = {file: names.get(file, "") for file in task.conftests}
+    return _assertions.around(task.pytest_config, task.module_path, conftests)
 
 
 def context_from_env() -> DdpContext:
@@ -245,20 +207,20 @@ def run_task(task: Task) -> RankReply:
     try:
         sys.path[:] = list(task.sys_path)
         os.chdir(task.cwd)
-        install_reprcompare(task.verbosity)
         know_local_modules(task.local_modules)
-        module = load_module(task.module_path, task.module_name)
-        func = resolve(module, task.qualname, pickle.loads(task.instance) if task.instance else None)
-        kwargs = pickle.loads(task.funcargs)
-        for name, value in kwargs.items():
-            if isinstance(value, DdpPlan):
-                kwargs[name] = ctx
-        try:
-            func(**kwargs)
-        finally:
-            for value in kwargs.values():
-                if isinstance(value, pytest.MonkeyPatch):
-                    value.undo()  # the rank's copy: its patches must not outlive the test here either
+        with _explained(task):  # builds the rank's pytest Config, so conftests load first, as in the parent
+            module = load_module(task.module_path, task.module_name)
+            func = resolve(module, task.qualname, pickle.loads(task.instance) if task.instance else None)
+            kwargs = pickle.loads(task.funcargs)
+            for name, value in kwargs.items():
+                if isinstance(value, DdpPlan):
+                    kwargs[name] = ctx
+            try:
+                func(**kwargs)
+            finally:
+                for value in kwargs.values():
+                    if isinstance(value, pytest.MonkeyPatch):
+                        value.undo()  # the rank's copy: its patches must not outlive the test here either
     except pytest.skip.Exception as exc:
         reply.outcome, reply.message = SKIPPED, str(exc.msg)
     except pytest.xfail.Exception as exc:
@@ -270,6 +232,9 @@ def run_task(task: Task) -> RankReply:
         try:
             reply.longrepr = format_failure(exc, func, task.tbstyle) if func else reply.message
             reply.shortrepr = format_failure(exc, func, "short") if func else reply.message
+            if isinstance(exc, AssertionError) and _assertions.error:
+                reply.longrepr += f"\n(ddp-conformance: pytest's assertion explanations are unavailable in ranks: " \
+                                  f"{_assertions.error})"
         except Exception:
             import traceback
 

@@ -18,6 +18,7 @@ import pytest
 
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
 from .context import DdpPlan
+from .introspection import conftests_of, recipe_of
 from .messages import FAILED, Task
 from .options import Settings
 from .supervisor import PoolRun, PoolStartError, RankPool
@@ -206,7 +207,8 @@ def make_task(item: pytest.Function) -> Task:
         sys_path=list(sys.path),
         cwd=os.getcwd(),
         tbstyle="long" if tbstyle == "auto" else tbstyle,
-        verbosity=item.config.get_verbosity(),
+        pytest_config=recipe_of(item.config),
+        conftests=conftests_of(item.config, item.path),
         instance=instance,
         local_modules=_local_modules(item.config.rootpath),
     )
