@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ class Settings:
     trainers: tuple[str, ...] = ("torch", "lightning")
     config_path: str | None = None
     report_path: str | None = None
+    spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -124,13 +126,24 @@ def read_settings(config: pytest.Config) -> Settings:
     if threads is None and not os.environ.get("OMP_NUM_THREADS"):
         threads = 1
     assert world_size is not None
-    trainers = tuple(config.getoption("ddp_trainers") or config.getini("ddp_trainers") or ("torch", "lightning"))
+    typed = config.getoption("ddp_trainers")
+    trainers = tuple(typed or config.getini("ddp_trainers") or ("torch", "lightning"))
+    # paths typed on the command line are the typist's, relative to where they typed them; paths in an
+    # ini file are relative to its rootdir. Never to the rootdir for typed ones: pytest picks the rootdir
+    # before it knows plugin options, so `--ddp-report ../logs/r.json` moves it up once that file exists
+    typed_base, ini_base = config.invocation_params.dir, config.rootpath
     config_path, _ = _raw(config, "ddp_config")
-    if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
-        config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
+    if config_path is not None:
+        config_path = _absolute(config_path, typed_base if config.getoption("ddp_config") else ini_base)
+    report_path = config.getoption("ddp_report")
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
-                    rank_threads=threads,
-                    trainers=trainers, config_path=config_path, report_path=config.getoption("ddp_report"))
+                    rank_threads=threads, trainers=trainers, config_path=config_path,
+                    report_path=_absolute(report_path, typed_base) if report_path else None,
+                    spec_base=str(typed_base if typed else ini_base))
+
+
+def _absolute(path: str, base: Path) -> str:
+    return path if os.path.isabs(path) else str(base / path)
 
 
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
@@ -140,7 +153,7 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> N
 
     for spec in settings.trainers:
         try:
-            resolve_spec(spec, config.rootpath)
+            resolve_spec(spec, Path(settings.spec_base))
         except SpecError as exc:
             raise pytest.UsageError(str(exc)) from None
     if settings.config_path is not None:

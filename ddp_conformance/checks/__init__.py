@@ -35,7 +35,7 @@ class CheckOptions:
     verdict (naming the ranks that stopped) arrives before the harness's generic timeout.
     """
 
-    rootdir: str
+    spec_base: str  # what a relative file SPEC is relative to (see options.Settings.spec_base)
     config_path: str | None
     stall_after: float
 
@@ -76,7 +76,7 @@ def run_check(check_id: str, spec: str, options: CheckOptions, ddp: object, work
         raise ValueError(f"unknown check {check_id!r}; known: {', '.join(CHECK_IDS)}")
     module = importlib.import_module(f"{__name__}.{check_id}")
     try:
-        ctx = CheckContext.create(check_id, spec, options.rootdir, options.config_path,
+        ctx = CheckContext.create(check_id, spec, options.spec_base, options.config_path,
                                   options.stall_after, ddp, workdir)
         return ctx.finish(module.run(ctx))
     except NotProvided as exc:

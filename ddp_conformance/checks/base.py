@@ -53,13 +53,13 @@ class CheckContext:
     _depth: int = 0
 
     @classmethod
-    def create(cls, check_id: str, spec: str, rootdir: str, config_path: str | None, stall_after: float,
+    def create(cls, check_id: str, spec: str, spec_base: str, config_path: str | None, stall_after: float,
                ddp: Any, workdir: Any) -> CheckContext:
         from ..adapter import RankContext
         from ..config import load_config, reconcile
         from ..trainers.spec import resolve_spec
 
-        factory = resolve_spec(spec, Path(rootdir))
+        factory = resolve_spec(spec, Path(spec_base))
         rank_ctx = RankContext.from_fixture(ddp, workdir)
         config, notes = reconcile(load_config(config_path), world_size=rank_ctx.world_size,
                                   backend=rank_ctx.backend, device_type=rank_ctx.device_type,

@@ -31,7 +31,7 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     settings = settings_of(request.config)
     marker = request.node.get_closest_marker("ddp")
     timeout = float((marker.kwargs.get("timeout") if marker else None) or settings.timeout)
-    return CheckOptions(rootdir=str(request.config.rootpath), config_path=settings.config_path,
+    return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,
                         stall_after=stall_seconds(timeout))
 
 

@@ -135,8 +135,8 @@ def _is_file_spec(target: str) -> bool:
 def resolve_spec(spec: str, rootdir: Path) -> Factory:
     """Turn a SPEC into a zero-argument callable that builds a fresh adapter.
 
-    Relative file paths are taken from `rootdir` (pytest's rootdir), not the working directory, so
-    the same command works from anywhere in the repo. Raises SpecError with one line on any problem.
+    Relative file paths are taken from `rootdir`: the directory a SPEC was typed in (command line),
+    or pytest's rootdir for a SPEC from an ini file. Raises SpecError with one line on any problem.
     """
     spec = spec.strip()
     if spec in BUILTINS:
