@@ -128,22 +128,18 @@ def read_settings(config: pytest.Config) -> Settings:
     assert world_size is not None
     typed = config.getoption("ddp_trainers")
     trainers = tuple(typed or config.getini("ddp_trainers") or ("torch", "lightning"))
-    # paths typed on the command line are the typist's, relative to where they typed them; paths in an
-    # ini file are relative to its rootdir. Never to the rootdir for typed ones: pytest picks the rootdir
-    # before it knows plugin options, so `--ddp-report ../logs/r.json` moves it up once that file exists
-    typed_base, ini_base = config.invocation_params.dir, config.rootpath
+    # a file SPEC typed on the command line is relative to where it was typed, like any path typed
+    # there (--ddp-config and --ddp-report are used as typed, relative to the working directory); one
+    # from an ini file is relative to the rootdir. Never the rootdir for a typed one: pytest picks the
+    # rootdir before it knows plugin options, so `--ddp-report ../logs/r.json` moves it up once that
+    # file exists
+    spec_base = config.invocation_params.dir if typed else config.rootpath
     config_path, _ = _raw(config, "ddp_config")
-    if config_path is not None:
-        config_path = _absolute(config_path, typed_base if config.getoption("ddp_config") else ini_base)
-    report_path = config.getoption("ddp_report")
+    if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
+        config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
                     rank_threads=threads, trainers=trainers, config_path=config_path,
-                    report_path=_absolute(report_path, typed_base) if report_path else None,
-                    spec_base=str(typed_base if typed else ini_base))
-
-
-def _absolute(path: str, base: Path) -> str:
-    return path if os.path.isabs(path) else str(base / path)
+                    report_path=config.getoption("ddp_report"), spec_base=str(spec_base))
 
 
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
