@@ -31,8 +31,8 @@ def test_example_repo_is_gated_by_the_suite(pytester: pytest.Pytester) -> None:
     ok = run("--ddp-report", "report.json", "--junitxml", "junit.xml")
     assert ok.returncode == 0, ok.stdout[-3000:]
     found = results(repo / "report.json")
-    assert [found[c]["outcome"] for c in ("rank_participation", "sampler_disjointness", "gradient_equivalence",
-                                         "resume_fidelity")] == ["passed"] * 4
+    assert [found[c]["outcome"] for c in ("rank_participation", "sampler_disjointness", "data_consistency",
+                                         "gradient_equivalence", "resume_fidelity")] == ["passed"] * 5
     assert found["bucket_view_memory"]["outcome"] in ("passed", "skipped")  # skipped: says why
     assert found["bucket_view_memory"]["message"] or found["bucket_view_memory"]["outcome"] == "passed"
     assert "<property " in (repo / "junit.xml").read_text()  # the figures reach the CI's JUnit view
