@@ -68,6 +68,9 @@ def serve() -> int:
     channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
     send(channel, Hello(rank=int(os.environ["RANK"]), pid=os.getpid()))
     join_group()
+    from .seeds import fresh_seeds
+
+    fresh_seeds()  # forked ranks share the zygote's RNG state: each starts from its own, as under torchrun
     from . import runtime
 
     send(channel, Ready(pid=os.getpid()))

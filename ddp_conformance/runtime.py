@@ -23,6 +23,7 @@ from typing import Any
 from .context import DdpContext, DdpPlan
 from .introspection import RankAssertions
 from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
+from .seeds import fresh_seeds
 
 _modules: dict[str, tuple[float, types.ModuleType]] = {}
 
@@ -205,6 +206,7 @@ def run_task(task: Task) -> RankReply:
     began = time.perf_counter()
     func = None
     try:
+        fresh_seeds()  # every test finds each rank's RNG as a fresh torchrun process would: its own seeds
         sys.path[:] = list(task.sys_path)
         os.chdir(task.cwd)
         know_local_modules(task.local_modules)

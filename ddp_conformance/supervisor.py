@@ -33,6 +33,8 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
 FAILURE_GRACE_SECONDS = 5.0
 STOP_GRACE_SECONDS = 5.0
+OUTPUT_READ_BYTES = 4 << 20  # a rank's output of one test read whole up to this size...
+OUTPUT_KEEP_BYTES = 256 << 10  # ...beyond it, only this much of its head and of its tail
 
 
 class PoolStartError(Exception):
@@ -78,12 +80,22 @@ class RankProcess:
         return f"exit code {code}"
 
     def output_since(self, offset: int) -> str:
+        """What the rank printed from `offset` on; beyond OUTPUT_READ_BYTES only its first and last
+        OUTPUT_KEEP_BYTES are read (the report keeps a head and a tail of it anyway)."""
         try:
             with open(self.log_path, "rb") as handle:
+                size = handle.seek(0, os.SEEK_END)
                 handle.seek(offset)
-                return handle.read().decode("utf-8", "replace")
+                if size - offset <= OUTPUT_READ_BYTES:
+                    return handle.read().decode("utf-8", "replace")
+                head = handle.read(OUTPUT_KEEP_BYTES)
+                handle.seek(size - OUTPUT_KEEP_BYTES)
+                tail = handle.read()
         except OSError:
             return ""
+        cut = size - offset - 2 * OUTPUT_KEEP_BYTES
+        return (f"{head.decode('utf-8', 'replace')}\n... {cut} bytes cut ...\n"
+                f"{tail.decode('utf-8', 'replace')}")
 
     def log_size(self) -> int:
         try:

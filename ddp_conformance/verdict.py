@@ -1,13 +1,18 @@
 """Turning every rank's answer into one outcome, and one report a person can act on.
 
 A distributed test passes only if every rank passes. A failure names every failing rank, merges
-identical tracebacks ("ranks 1, 3"), and puts the first failing rank's cause in the first line.
+the ranks' tracebacks when they are the same error ("ranks 1, 3"), and puts the first failing rank's
+cause in the first line. "The same error" ignores what legitimately differs between ranks: rank ids,
+pids, tensor values, object addresses, temp paths (an adapter's NameError gave one traceback per
+rank, identical but for `rank=0` / `rank=1` in one line). A rank's captured output is capped,
+head and tail kept: a rank that prints in a loop must not bury the verdict.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,11 +67,34 @@ def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_TEMP_PATH = re.compile(re.escape(tempfile.gettempdir().rstrip("/")) + r"/[^\s'\"():,\]]+")
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]+\b")
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+
+
+def error_signature(text: str) -> str:
+    """`text` with what differs from rank to rank in one and the same error replaced by placeholders:
+    temp paths, hex addresses, and every number (rank ids, pids, ports, tensor values, sizes)."""
+    text = _TEMP_PATH.sub("<tmp>", text)
+    text = _ADDRESS.sub("0x?", text)
+    return _NUMBER.sub("#", text)
+
+
 def _group(texts: dict[int, str]) -> list[tuple[str, list[int]]]:
-    grouped: dict[str, list[int]] = {}
+    """Ranks whose texts are the same error, each group shown by its lowest rank's text."""
+    grouped: dict[str, tuple[str, list[int]]] = {}
     for rank in sorted(texts):
-        grouped.setdefault(texts[rank], []).append(rank)
-    return list(grouped.items())
+        grouped.setdefault(error_signature(texts[rank]), (texts[rank], []))[1].append(rank)
+    return list(grouped.values())
+
+
+def _section(text: str, ranks: list[int], texts: dict[int, str]) -> str:
+    """One merged failure: the ranks, the representative text, and which ranks' texts vary from it."""
+    varied = [r for r in ranks[1:] if texts[r] != text]
+    verb = "differs" if len(varied) == 1 else "differ"
+    note = (f"(rank {ranks[0]}'s shown; {ranks_label(varied)} {verb} only in numbers, addresses or temp paths)\n"
+            if varied else "")
+    return f"{'_' * 20} {ranks_label(ranks)} {'_' * 20}\n{note}{text.rstrip()}"
 
 
 def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
@@ -99,8 +127,8 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     def shown(reply: RankReply) -> str:
         return (reply.shortrepr if crashed else reply.longrepr) or reply.message
 
-    for text, ranks in _group({r: shown(rep) for r, rep in failed.items()}):
-        sections.append(f"{'_' * 20} {ranks_label(ranks)} {'_' * 20}\n{text.rstrip()}")
+    texts = {r: shown(rep) for r, rep in failed.items()}
+    sections.extend(_section(text, ranks, texts) for text, ranks in _group(texts))
     for rank in hung:
         sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
     exc_type = failed[first].exc_type if failed else None
@@ -152,13 +180,25 @@ def diagnose_hang(stacks: dict[int, str]) -> str:
     return ""
 
 
+OUTPUT_HEAD_LINES = 50  # how a rank's output starts (setup, the first warnings)
+OUTPUT_TAIL_LINES = 150  # and what it printed last, nearest the failure
+OUTPUT_LINE_CHARS = 2000
+
+
+def cap_output(text: str) -> list[str]:
+    """A rank's output as lines, at most head + tail of them with a marker saying how many were cut
+    between, each line at most OUTPUT_LINE_CHARS long."""
+    lines = text.splitlines()
+    if len(lines) > OUTPUT_HEAD_LINES + OUTPUT_TAIL_LINES + 1:
+        cut = len(lines) - OUTPUT_HEAD_LINES - OUTPUT_TAIL_LINES
+        lines = [*lines[:OUTPUT_HEAD_LINES], f"... {cut} lines cut ...", *lines[-OUTPUT_TAIL_LINES:]]
+    return [line if len(line) <= OUTPUT_LINE_CHARS
+            else f"{line[:OUTPUT_LINE_CHARS]}... ({len(line) - OUTPUT_LINE_CHARS} characters cut)" for line in lines]
+
+
 def prefixed_output(run: PoolRun) -> str:
-    """The ranks' captured output, each line prefixed by its rank."""
-    lines = []
-    for rank in sorted(run.output):
-        for line in run.output[rank].splitlines():
-            lines.append(f"[rank {rank}] {line}")
-    return "\n".join(lines)
+    """The ranks' captured output, each line prefixed by its rank, each rank's capped (`cap_output`)."""
+    return "\n".join(f"[rank {rank}] {line}" for rank in sorted(run.output) for line in cap_output(run.output[rank]))
 
 
 class DistributedTestFailure(Exception):

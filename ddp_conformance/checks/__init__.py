@@ -1,4 +1,4 @@
-"""The five conformance checks, and the one entry point the suite calls inside every rank.
+"""The six conformance checks, and the one entry point the suite calls inside every rank.
 
 Each check is a module with `run(ctx: CheckContext) -> dict` written against the adapter only
 (`ddp_conformance.adapter`): it never imports a trainer. A check either returns its figures (pass),
@@ -20,6 +20,7 @@ from .base import CheckContext, CheckFailed, hide_on_verdict
 CHECK_IDS: tuple[str, ...] = (
     "rank_participation",
     "sampler_disjointness",
+    "data_consistency",
     "gradient_equivalence",
     "resume_fidelity",
     "bucket_view_memory",

@@ -1,19 +1,27 @@
-"""bucket_view_memory: with `gradient_as_bucket_view: true` the gradients are views into DDP's
-buckets, and a measured training step holds at least 90% of one gradient copy less than the same
-step with the flag off.
+"""bucket_view_memory: the trainer's own `gradient_as_bucket_view` setting, judged by what it does.
 
-- The flag is forced on for this check when the config does not set it (noted in the figures):
-  the property is what the flag promises, whatever the user's config says.
+- The setting is the trainer's: what its DDP reports (`_get_ddp_logging_data`) when it wraps a model
+  with the run's config, and what its config says after its own `setup` (the `--ddp-config` file, or
+  what the trainer made of it). Nothing is forced on the trainer's verdict.
+- On (DDP reports it): the gradients must be views into DDP's buckets, and a measured training step
+  must hold at least 90% of one gradient copy less than the same step with the flag off; else fail.
+- Claimed by the config but off in DDP: fail ("never reaches DDP"), with the measured figures.
+- Off and not claimed: skipped with the measured saving turning it on would give. For that figure
+  the flag is set through the config; a trainer whose wrap ignores the config is measured with a
+  plain `DistributedDataParallel` (its find_unused_parameters and static_graph) around its model
+  and train_step, and the notes say so.
+- No DDP at all: fail when the config claims the flag, else skip (rank_participation judges wrapping).
 - The model must be big enough to measure: when the trainer's model (from the config's `model`
   section) has less than MIN_GRAD_BYTES of gradients, the check asks for MEASURE_MODEL through the
   same section and says so; a trainer whose model ignores the section and stays too small is
   skipped with the sizes, never passed on a number it cannot resolve.
 - Memory (`memory.py`): two warm-up runs first (the first model a process builds pays one-off
-  allocations: 87.8 vs 64.1 MB in ../shared/notes/ddp-facts.md), then three off/on pairs. The
-  saving is the median pair's (a stray 128-256 KiB allocation in one run was seen), judged on the
-  worst rank; the spread between runs of one setting is reported as `measurement_noise_bytes`.
-- Structure, from the flag-on runs: `wrap` returned a DDP; DDP itself reports the flag
-  (`_get_ddp_logging_data`); every grad is a view and they share one storage per bucket.
+  allocations: 87.8 vs 64.1 MB in ../shared/notes/ddp-facts.md): the trainer as configured, which
+  tells its setting, and one with the flag on; then three off/on pairs. The saving is the median
+  pair's (a stray 128-256 KiB allocation in one run was seen), judged on the worst rank; the spread
+  between runs of one setting is reported as `measurement_noise_bytes`.
+- Structure, from the flag-on runs: `wrap` returned a DDP; DDP itself reports the flag; every grad
+  is a view and they share one storage per bucket.
 """
 
 from __future__ import annotations
@@ -33,8 +41,7 @@ MIN_GRAD_BYTES = 1 << 20
 MEASURE_MODEL = ModelConfig(input_dim=256, hidden=(512, 512), num_classes=16)
 REQUIRED_SAVING = 0.9
 STEPS = 3  # as in ddp-facts.md: grads are views only after the first step, buckets rebuilt after it
-WARM_UP = (True, False)  # one-off allocations of the first runs in a process are not the step's
-PAIRS = 3  # (off, on) pairs after the warm-up; the median pair is judged, robust to one stray allocation
+PAIRS = 3  # (off, on) pairs after the two warm-up runs; the median pair is judged, robust to one stray allocation
 
 
 def _with_flag(config: Any, flag: bool) -> Any:
@@ -46,47 +53,133 @@ def _grad_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
+def _declared(adapter: Any, fallback: Any) -> bool | None:
+    """The flag in the trainer's config after its own setup (None: not set); the run's when it keeps none."""
+    config = getattr(adapter, "config", None) or fallback
+    return config.trainer.strategy.gradient_as_bucket_view
+
+
+class PlainDDP:
+    """The trainer's adapter with the wrapping done here, for a trainer whose `wrap` ignores the
+    config's flag: the would-be saving is still measured on its model and its train_step."""
+
+    def __init__(self, adapter: Any, flag: bool, kwargs: dict[str, Any]) -> None:
+        self._adapter, self.flag, self.kwargs = adapter, flag, kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+    def wrap(self, model: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(model.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=self.flag, **self.kwargs)
+
+
+def _measurable(ctx: CheckContext) -> Any:
+    """The run's config, with MEASURE_MODEL when the trainer's model is too small to measure."""
+    config = ctx.config
+    size = _grad_bytes(ctx.adapter(config).make_model())
+    if size >= MIN_GRAD_BYTES:
+        return config
+    config = replace(config, model=MEASURE_MODEL)
+    bigger = _grad_bytes(ctx.adapter(config).make_model())
+    if bigger < MIN_GRAD_BYTES:
+        pytest.skip(f"the trainer's model has {human_bytes(size)} of gradients, too small to measure against "
+                    f"allocator noise (>= {human_bytes(MIN_GRAD_BYTES)} needed), and it ignores the config's "
+                    "model section, so no bigger model can be asked for")
+    ctx.note(f"model section replaced by {MEASURE_MODEL} for the measurement: the configured model has "
+             f"{human_bytes(size)} of gradients, {human_bytes(bigger)} are needed to measure reliably")
+    return config
+
+
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     device_type = ctx.rank_ctx.device_type
     if device_type == "cpu" and heap_counter() is None:
         pytest.skip("no heap counter on this platform: measuring CPU memory needs glibc's mallinfo2 (glibc >= 2.33)")
-    config = ctx.config
-    if not config.trainer.strategy.gradient_as_bucket_view:
-        ctx.note("gradient_as_bucket_view forced to true for this check (the config does not set it)")
-    config = _with_flag(config, True)
-    size = _grad_bytes(ctx.adapter(config).make_model())
-    if size < MIN_GRAD_BYTES:
-        config = replace(config, model=MEASURE_MODEL)
-        bigger = _grad_bytes(ctx.adapter(config).make_model())
-        if bigger < MIN_GRAD_BYTES:
-            pytest.skip(f"the trainer's model has {human_bytes(size)} of gradients, too small to measure against "
-                        f"allocator noise (>= {human_bytes(MIN_GRAD_BYTES)} needed), and it ignores the config's "
-                        "model section, so no bigger model can be asked for")
-        ctx.note(f"model section replaced by {MEASURE_MODEL} for the measurement: the configured model has "
-                 f"{human_bytes(size)} of gradients, {human_bytes(bigger)} are needed to measure reliably")
-    adapters = {flag: ctx.adapter(_with_flag(config, flag)) for flag in (True, False)}
-    data = adapters[True]
+    config = _measurable(ctx)
+    own = ctx.adapter(config)
+    declared = _declared(own, config)
     per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
-    dataset = data.make_dataset(max(config.data.size, per_rank * ctx.world_size))
+    dataset = own.make_dataset(max(config.data.size, per_rank * ctx.world_size))
     start = ctx.rank * per_rank
-    batch = data.collate([dataset[i] for i in range(start, start + per_rank)])
-
-    runs: list[StepMemory] = []
+    batch = own.collate([dataset[i] for i in range(start, start + per_rank)])
     # a full collection scans every object of the process (0.3 s once torch._dynamo is imported);
     # frozen (garbage included: it then cannot be freed in the middle of a measured run), the old
     # objects are skipped and the collections between runs only see the runs' own
     gc.freeze()
     try:
-        order = (*WARM_UP, *(flag for _ in range(PAIRS) for flag in (False, True)))
-        with ctx.training(STEPS * len(order)):
-            for flag in order:
-                runs.append(measure_step(adapters[flag], batch, flag, STEPS, device_type))
+        with ctx.training(STEPS * (2 + 2 * PAIRS)):
+            mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
     finally:
         gc.unfreeze()
-    measured = runs[len(WARM_UP):]
-    on = [r for r in measured if r.gradient_as_bucket_view]
-    off = [r for r in measured if not r.gradient_as_bucket_view]
+    return _judge(ctx, mode, declared, own_run, runs)
+
+
+def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,
+                  device_type: str) -> tuple[str, StepMemory, list[StepMemory]]:
+    """The trainer as configured (its setting), then the off/on pairs: (mode, that run, the pairs).
+    mode: "on" (judged), "unhonoured" (claimed, off in DDP), "off" (measured for the skip), "no-ddp"."""
+    own_run = measure_step(own, batch, bool(declared), STEPS, device_type)
+    setting = all_gather((own_run.is_ddp, bool(own_run.ddp_flag)))
+    if not all(is_ddp for is_ddp, _ in setting):
+        return "no-ddp", own_run, []
+    on = all(flag for _, flag in setting)
+    mode = "on" if on else "unhonoured" if declared else "off"
+    adapters: dict[bool, Any] = {flag: ctx.adapter(_with_flag(config, flag)) for flag in (True, False)}
+    # the second warm-up: does the setting the comparison needs (the one the trainer does not use) reach DDP
+    # through the config? An unhonoured flag is measured as the trainer builds it, to show what it costs
+    probe = measure_step(adapters[not on], batch, not on, STEPS, device_type)
+    if mode != "unhonoured" and not all(all_gather(bool(probe.ddp_flag) is not on)):
+        kwargs = {"find_unused_parameters": own_run.extra.get("find_unused_parameters", False),
+                  "static_graph": own_run.extra.get("static_graph", False)}
+        adapters = {flag: PlainDDP(adapters[flag], flag, kwargs) for flag in (True, False)}
+        ctx.note("the trainer's wrap does not take gradient_as_bucket_view from the config: the runs compared are "
+                 f"measured with DistributedDataParallel(model, gradient_as_bucket_view=..., "
+                 f"{', '.join(f'{k}={v}' for k, v in kwargs.items())}) around the trainer's model and train_step")
+    order = [flag for _ in range(PAIRS) for flag in (False, True)]
+    return mode, own_run, [measure_step(adapters[flag], batch, flag, STEPS, device_type) for flag in order]
+
+
+def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMemory,
+           runs: list[StepMemory]) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    if mode == "no-ddp":
+        ctx.figures["wrapped_type"] = own_run.wrapped_type
+        problem = layout_problem(own_run)
+        if declared:
+            raise ctx.fail(f"{problem}, although the config sets gradient_as_bucket_view: true")
+        pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
+    figures, worst = _figures(ctx, runs)
+    saved = (f"{human_bytes(worst['saving'])}, {figures['saved_pct_of_grad_bytes']}% of one gradient copy "
+             f"({human_bytes(worst['grad_bytes'])})")
+    if mode == "unhonoured":
+        raise ctx.fail(f"{layout_problem(own_run)} (measured saving {saved})", **figures)
+    # the layout verdict of every rank, so all ranks give the same one (rank 0's is not the only witness);
+    # with the flag on, of the trainer's own DDP too
+    mine = [layout_problem(r) for r in ([own_run] if mode == "on" else []) + [runs[-1]]]
+    problems = [p for p in all_gather(next((p for p in mine if p), None)) if p]
+    if mode == "off":
+        ctx.figures.update(figures, summary=f"off; on saves {figures['saved_pct_of_grad_bytes']}%")
+        setting = "its config sets it false" if declared is False else "its config does not set it"
+        but = f"; but with it on: {problems[0]}" if problems else ""
+        pytest.skip(f"gradient_as_bucket_view is off (the trainer's DDP reports False; {setting}): turning it on would "
+                    f"save {saved} in the measured step, {figures['saved_pct_of_step_peak']}% of its peak{but}")
+    if problems:
+        raise ctx.fail(f"{problems[0]} (measured saving {saved})", **figures)
+    problem = saving_problem(worst["saving"], worst["grad_bytes"])
+    if problem:
+        raise ctx.fail(f"{problem}: measured saving {saved}, on the worst rank", **figures)
+    figures["summary"] = f"saved {figures['saved_pct_of_grad_bytes']}% of grads"
+    return figures
+
+
+def _figures(ctx: CheckContext, runs: list[StepMemory]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The measured figures (the worst rank's saving) and that rank's raw numbers (collective)."""
+    on = [r for r in runs if r.gradient_as_bucket_view]
+    off = [r for r in runs if not r.gradient_as_bucket_view]
     pairs = [o.footprint - n.footprint for o, n in zip(off, on, strict=True)]
     grad_bytes = on[0].grad_bytes
     spread = [max(r.footprint for r in rs) - min(r.footprint for r in rs) for rs in (on, off)]
@@ -96,9 +189,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             "footprint_off": statistics.median(r.footprint for r in off), "noise": max(spread)}
     everyone = all_gather(mine)
     worst = min(everyone, key=lambda m: m["saving"] / m["grad_bytes"])
-    first = on[-1]
+    last = on[-1]
     figures: dict[str, Any] = {
-        "memory_counter": "torch.cuda.max_memory_allocated" if device_type == "cuda" else "glibc mallinfo2",
+        "memory_counter": ("torch.cuda.max_memory_allocated" if ctx.rank_ctx.device_type == "cuda"
+                           else "glibc mallinfo2"),
         "grad_bytes": grad_bytes, "saved_bytes": worst["saving"],
         "saved_pct_of_grad_bytes": round(100 * worst["saving"] / grad_bytes, 1),
         "saved_pct_of_step_peak": round(100 * worst["saving"] / worst["peak_off"], 1) if worst["peak_off"] else None,
@@ -106,20 +200,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "footprint_bytes_flag_off": worst["footprint_off"],
         "measurement_noise_bytes": max(m["noise"] for m in everyone),
         "saved_bytes_per_rank": [m["saving"] for m in everyone],
-        "wrapped_type": first.wrapped_type, "ddp_gradient_as_bucket_view": first.ddp_flag,
-        "grads_are_views": first.all_views, "grad_storages": first.grad_storages, "buckets": first.buckets,
+        "wrapped_type": last.wrapped_type, "ddp_gradient_as_bucket_view": last.ddp_flag,
+        "grads_are_views": last.all_views, "grad_storages": last.grad_storages, "buckets": last.buckets,
     }
-    saved = (f"measured saving {human_bytes(worst['saving'])}, {figures['saved_pct_of_grad_bytes']}% of one gradient "
-             f"copy ({human_bytes(grad_bytes)})")
-    # the layout verdict of every rank, so all ranks give the same one (rank 0's is not the only witness)
-    problems = [p for p in all_gather(layout_problem(first)) if p]
-    if problems:
-        raise ctx.fail(f"{problems[0]} ({saved})", **figures)
-    problem = saving_problem(worst["saving"], grad_bytes)
-    if problem:
-        raise ctx.fail(f"{problem}: {saved}, on the worst rank", **figures)
-    figures["summary"] = f"saved {figures['saved_pct_of_grad_bytes']}% of grads"
-    return figures
+    return figures, worst
 
 
 def layout_problem(step: Any) -> str | None:

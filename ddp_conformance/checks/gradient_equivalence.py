@@ -13,6 +13,7 @@ legitimately differ between a shard and the whole batch, and are not what DDP sy
 Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by precision, from
 ../shared/notes/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
 relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
+Gradients that are all exactly zero on both sides fail (`vacuity.py`): "0 equals 0" proves nothing.
 A failure names the parameter, its max |delta| and the tolerance, and a cause when the evidence
 points to one: a ratio of exactly 1/world_size (loss summed where DDP averages), world_size
 (gradients summed over ranks), or gradients equal to the rank's own shard (no all-reduce).
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from .states import item_digest
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
 # measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed
@@ -83,6 +85,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     need = per_rank * world * (1 + EXTRA_STEPS)
     dataset = adapter.make_dataset(max(need, config.data.size))
     items = [dataset[i] for i in range(need)]
+    batches = all_gather(item_digest(items))
+    if len(set(batches)) > 1:
+        rank = next(r for r, d in enumerate(batches) if d != batches[0])
+        pytest.skip(f"the ranks' datasets differ (rank {rank}'s first {need} items are not rank 0's; see "
+                    "data_consistency): there is no one global batch whose gradient DDP's could be compared with")
 
     def shard(step: int, r: int) -> Any:
         start = (step * world + r) * per_rank
@@ -93,7 +100,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, shard(0, rank))
-    adapter.loss(reference, global_batch).backward()
+    single_loss = adapter.loss(reference, global_batch)
+    single_loss.backward()
     adapter.loss(own, shard(0, rank)).backward()
     ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
 
@@ -108,8 +116,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                "worst_parameter": name, "max_abs_delta": delta, "tolerance": tolerance,
                                "max_rel_delta": delta / scale if scale else 0.0}
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
-    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world,
-                                   accumulate))
+    verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
+                          or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
@@ -136,6 +144,16 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                        "changes gradients per rank", **figures)
     figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
     return figures
+
+
+def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float) -> str:
+    """A diagnosis when neither the DDP step nor the single-process loss gives any nonzero gradient:
+    "0 equals 0" is no evidence of equivalence, and such a trainer never changes its model."""
+    if any(g is not None and bool(g.any()) for g in (*ddp_g.values(), *single_g.values())):
+        return ""
+    return (f"training does not change the model: every gradient is exactly zero, from the DDP step and from the "
+            f"single-process loss of the global batch (which is {fmt(single_loss)}): a loss that does not depend "
+            "on the parameters (e.g. cross_entropy over a one-column output, identically 0)")
 
 
 def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],

@@ -141,7 +141,9 @@ def measure_step(adapter: Any, batch: Any, flag: bool, steps: int, device_type: 
         ddp_flag=bool(logging.get("gradient_as_bucket_view")) if is_ddp else None,
         all_views=bool(grads) and all(g._is_view() for g in grads),
         grad_storages=len({g.untyped_storage().data_ptr() for g in grads}), grads=len(grads),
-        buckets=_buckets(logging), wrapped_type=type(wrapped).__name__, samples=len(samples))
+        buckets=_buckets(logging), wrapped_type=type(wrapped).__name__, samples=len(samples),
+        extra={"find_unused_parameters": bool(getattr(wrapped, "find_unused_parameters", False)),
+               "static_graph": bool(getattr(wrapped, "static_graph", False))} if is_ddp else {})
     del model, wrapped, params, grads, handles
     gc.collect()
     return result

@@ -10,6 +10,8 @@ Evidence, all from one short fit of the trainer (`fit(STEPS)`):
   Parameters can only stay identical on different data if every rank's gradients were averaged
   with every other's on every step. This is behavioural, so it holds for Lightning too (which
   ignores comm hooks on CPU) and for trainers that all-reduce by hand instead of using DDP.
+- that there was training to take part in (`vacuity.py`): ranks that never change the model (every
+  gradient exactly zero, parameters as initialised, a constant loss) are trivially "in sync".
 """
 
 from __future__ import annotations
@@ -18,27 +20,18 @@ from typing import Any
 
 import pytest
 
-from ..adapter import FitObserver, StepInfo, TrainState
+from ..adapter import TrainState
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .progress import guarded_fit
 from .states import digest, parameters
+from .vacuity import TrainingEvidence, vacuity_verdict
 
 STEPS = 4
 
 
-class _Capture(FitObserver):
-    """Remembers the parameter names of the model the trainer trains, and this rank's losses."""
-
-    def __init__(self) -> None:
-        self.names: list[str] | None = None
-        self.losses: list[float] = []
-
-    def on_wrapped(self, model: Any) -> None:
-        self.names = [name.removeprefix("module.") for name, _ in model.named_parameters()]
-
-    def after_step(self, info: StepInfo) -> None:
-        if info.loss is not None:
-            self.losses.append(float(info.loss))
+class _Capture(TrainingEvidence):
+    """Remembers the parameter names of the model the trainer trains, this rank's losses, and
+    whether the fit trained at all (`TrainingEvidence`)."""
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
@@ -49,7 +42,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
     def extra(state: TrainState) -> dict[str, Any]:
         return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
-                "losses": capture.losses}
+                "losses": capture.losses, "evidence": capture.summary(state)}
 
     state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
                                   inner=capture, extra=extra)
@@ -77,6 +70,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures["params_identical"] = len(digests) == 1
     if len(digests) > 1:
         raise ctx.fail(_divergence(state, capture.names, wrapped, is_ddp, micro[0]), **figures)
+    evidence = [p.extra.get("evidence") for p in progress]
+    figures["nonzero_gradient_steps_per_rank"] = [e["nonzero_grad_steps"] if e else None for e in evidence]
+    vacuous = vacuity_verdict(evidence, f"fit({STEPS})")
+    if vacuous:
+        raise ctx.fail(vacuous, **figures)
     if not figures["losses_differ_between_ranks"] and ctx.world_size > 1:
         if is_ddp is False:
             raise ctx.fail(f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): "

@@ -17,6 +17,9 @@ rank. The resume then reads rank 0's file on every rank. (A trainer that ignores
 and writes elsewhere is reported as such; one that broadcasts rank 0's path and writes it on all
 ranks would land in rank 0's directory and is not told apart: a limit of watching directories.)
 
+Before anything is compared, the uninterrupted fit must have trained (`vacuity.py`): a fit whose
+gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds.
+
 Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
 with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
 named when present); scheduler; optimizer; and if only the trajectory differs, one more resume
@@ -38,6 +41,7 @@ from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit
 from .states import Difference, differences, digest, parameters
+from .vacuity import TrainingEvidence, vacuity_verdict
 
 FALLBACK_EPOCH_STEPS = 8
 FORCED_DROPOUT = 0.1
@@ -137,7 +141,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
 
-    full, _ = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs))
+    evidence = TrainingEvidence()
+    full, progress = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs),
+                                 inner=evidence, extra=lambda state: {"evidence": evidence.summary(state)})
+    # a run that trains nothing resumes "bitwise" whatever its checkpoint holds
+    vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
+    if vacuous:
+        raise ctx.fail(vacuous, **figures)
     own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(

@@ -116,3 +116,43 @@ def digest(tensors: dict[str, Any]) -> str:
         if t.numel():
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def item_digest(item: Any) -> str:
+    """A hash of a dataset item's content: tensors and arrays by dtype, shape and bytes, containers
+    element by element, anything else by pickle (or repr), so that ranks can compare items without
+    sending them. Equal content gives equal digests in every process."""
+    h = hashlib.sha256()
+    _feed(h, item)
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    import pickle
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
+        h.update(f"array {getattr(value, 'dtype', '')} {getattr(value, 'shape', '')};".encode())
+        h.update(value.tobytes())
+    elif isinstance(value, dict):
+        h.update(f"dict {len(value)};".encode())
+        for key in sorted(value, key=repr):
+            _feed(h, key)
+            _feed(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__} {len(value)};".encode())
+        for element in value:
+            _feed(h, element)
+    elif value is None or isinstance(value, (str, bytes, int, float, bool)):
+        h.update(f"{type(value).__name__} {value!r};".encode())
+    else:
+        try:
+            h.update(pickle.dumps(value, protocol=4))
+        except Exception:
+            h.update(repr(value).encode())  # an address in it makes the item look random: not compared

@@ -19,7 +19,7 @@ class OnlyData(TrainerAdapter):
 
     def make_dataset(self, size=None):
         n = size or 40
-        return TensorDataset(torch.arange(n), torch.randn(n, 4))
+        return TensorDataset(torch.arange(n), torch.randn(n, 4, generator=torch.Generator().manual_seed(0)))
 
     def make_loader(self, dataset, *, rank, world_size, epoch):
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
@@ -37,9 +37,10 @@ def test_missing_adapter_methods_skip_with_the_reason(pytester: pytest.Pytester)
         "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider", "-rs",
         "--ddp-trainer", "partial_adapter.py:OnlyData", "--ddp-report", "report.json",
     )
-    result.assert_outcomes(passed=1, skipped=4)
+    result.assert_outcomes(passed=2, skipped=4)
     outcomes = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
     assert outcomes["sampler_disjointness"]["outcome"] == "passed"
+    assert outcomes["data_consistency"]["outcome"] == "passed"
     for check in ("rank_participation", "gradient_equivalence", "resume_fidelity", "bucket_view_memory"):
         assert outcomes[check]["outcome"] == "skipped"
         assert "trainer only-data does not provide" in outcomes[check]["message"], outcomes[check]

@@ -1,7 +1,10 @@
 """The conformance suite on every mutant in fixtures/mutants/ and on both references, world size 2.
 
-A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail) and
-`DIAGNOSIS` (words its verdict must contain, so a failure names the bug). All trainers go through
+A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail),
+`DIAGNOSIS` (words its verdict must contain, so a failure names the bug) and `SKIPS` (checks that
+cannot judge it, with words their reason must contain); a control (bucket_view_off) breaks nothing
+and must only be skipped where it says. The session's config (suite.yaml) turns gradient_as_bucket_view
+on, so bucket_view_memory judges every trainer that honours its config. All trainers go through
 ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant would pay a cold rank
 pool and the ranks' first torch/Lightning imports every time. Its `--ddp-report` JSON is then read
 per trainer by the parametrized tests below, and its JUnit XML and terminal output by the others.
@@ -26,6 +29,7 @@ from ddp_conformance.checks import CHECK_IDS
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
+CONFIG = Path(__file__).with_name("suite.yaml")
 
 # one xdist worker runs all of these, so the nested session (the module fixture) runs once
 pytestmark = pytest.mark.xdist_group("conformance-suite")
@@ -50,7 +54,8 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("suite")
     report, junit = workdir / "report.json", workdir / "junit.xml"
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
-               "--ddp-world-size", "2", "--ddp-timeout", "20", "--ddp-report", str(report), f"--junitxml={junit}"]
+               "--ddp-world-size", "2", "--ddp-timeout", "20", "--ddp-config", str(CONFIG),
+               "--ddp-report", str(report), f"--junitxml={junit}"]
     for spec in SPECS:
         command += ["--ddp-trainer", spec]
     proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=280)
@@ -73,19 +78,28 @@ def test_reference_trainers_pass_every_check(session: dict[str, Any]) -> None:
 @pytest.mark.parametrize("path", MUTANTS, ids=[p.stem for p in MUTANTS])
 def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug(
         session: dict[str, Any], path: Path) -> None:
-    breaks, diagnosis = declared(path, "BREAKS"), declared(path, "DIAGNOSIS")
-    assert breaks and set(breaks) <= set(CHECK_IDS)
+    breaks, diagnosis = declared(path, "BREAKS"), declared(path, "DIAGNOSIS", {})
+    skips: dict[str, str] = declared(path, "SKIPS", {})
+    assert (breaks or skips) and set(breaks) | set(skips) <= set(CHECK_IDS)
+    assert set(diagnosis) == set(breaks), "every check a mutant breaks has the words its verdict must say"
     results = session["results"][f"{path}:Trainer"]
     assert list(results) == list(CHECK_IDS)
     outcomes = {check: r["outcome"] for check, r in results.items()}
     assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks), outcomes
-    # every other check passes, except the skips a mutant declares (SKIPS), each with its reason
-    skips = set(declared(path, "SKIPS", set()))
-    assert {c for c, o in outcomes.items() if o == "skipped"} == skips, outcomes
-    for check in skips:
-        assert results[check]["message"], f"{check} skipped without a reason"
+    # every other check passes, except the skips a mutant declares (SKIPS), each for its stated reason
+    assert {c for c, o in outcomes.items() if o == "skipped"} == set(skips), outcomes
+    for check, words in skips.items():
+        assert words in results[check]["message"], results[check]["message"]
     for check, words in diagnosis.items():
         assert words in results[check]["message"], results[check]["message"]
+
+
+def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(session: dict[str, Any]) -> None:
+    result = session["results"][f"{ROOT / 'fixtures' / 'mutants' / 'bucket_view_off.py'}:Trainer"]["bucket_view_memory"]
+    figures = result["figures"]
+    assert result["outcome"] == "skipped" and figures["saved_pct_of_grad_bytes"] >= 90, result
+    assert f"{figures['saved_pct_of_grad_bytes']}% of one gradient copy" in result["message"]
+    assert any("DistributedDataParallel(model, gradient_as_bucket_view=..." in note for note in figures["notes"])
 
 
 def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:

@@ -60,11 +60,13 @@ def test_trainer_labels_are_short_and_readable():
 def test_matrix_has_a_row_per_trainer_and_lists_failures_with_their_verdict():
     results = [{"trainer": t, "check": c, "outcome": "passed", "figures": {"summary": "ok"}, "message": ""}
                for t in ("torch", "x.py:Trainer") for c in CHECK_IDS]
-    results[5 + 2] = {"trainer": "x.py:Trainer", "check": CHECK_IDS[2], "outcome": "failed", "figures": {},
-                      "message": "gradients are exactly 1/2 of the single-process gradients: ..."}
+    grads = CHECK_IDS.index("gradient_equivalence")
+    results[len(CHECK_IDS) + grads] = {"trainer": "x.py:Trainer", "check": CHECK_IDS[grads], "outcome": "failed",
+                                       "figures": {},
+                                       "message": "gradients are exactly 1/2 of the single-process gradients: ..."}
     lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": results})
     assert lines[0].split() == ["trainer", *CHECK_IDS]
-    assert lines[1].startswith("torch") and lines[1].count("PASS ok") == 5
+    assert lines[1].startswith("torch") and lines[1].count("PASS ok") == len(CHECK_IDS)
     assert lines[2].startswith("x ") and "FAIL" in lines[2]
     assert lines[-1] == ("x / gradient_equivalence failed: "
                          "gradients are exactly 1/2 of the single-process gradients: ...")
@@ -100,3 +102,60 @@ def test_a_summed_loss_is_named_with_accumulation_too():
     assert "exactly 1/2" in text and "summed" in text
     text = _verdict({"w": single["w"] / 4}, single, own, [], "w", 0.75, 1e-5, 1e-5, world=2, accumulate=2)
     assert "exactly 1/4" in text and "summed" in text
+
+
+def test_training_that_changes_nothing_is_named_by_what_was_observed():
+    from ddp_conformance.checks.vacuity import vacuity_verdict
+
+    def rank(grad_steps=4, nonzero=4, losses=(0.9, 0.7, 0.8, 0.6), changed=True):
+        return {"grad_steps": grad_steps, "nonzero_grad_steps": nonzero, "losses": list(losses),
+                "params_changed": changed}
+
+    assert vacuity_verdict([rank(), rank()], "fit(4)") == ""
+    assert vacuity_verdict([None, None], "fit(4)") == ""  # nothing observed: no claim
+    zero = vacuity_verdict([rank(nonzero=0, losses=[0.0] * 4), rank(nonzero=0, losses=[0.0] * 4)], "fit(4)")
+    assert zero.startswith("training does not change the model: every gradient is exactly zero after each of the 8 "
+                           "backward passes of fit(4) on 2 ranks; every loss was exactly 0")
+    # one rank with one nonzero gradient is training: no claim about "every gradient"
+    assert "every gradient" not in vacuity_verdict([rank(nonzero=0), rank(nonzero=1)], "fit(4)")
+    # gradients never seen (set to None before after_step): the parameters decide
+    frozen = vacuity_verdict([rank(grad_steps=0, nonzero=0, changed=False)] * 2, "fit(4)")
+    assert frozen.startswith("training does not change the model: the parameters after fit(4) are bitwise the "
+                             "initial ones on 2 ranks")
+    assert vacuity_verdict([rank(changed=None), rank(changed=False)], "fit(4)") == ""
+    constant = vacuity_verdict([rank(losses=[2.5] * 4), rank(losses=[1.5] * 4)], "fit(4)")
+    assert constant.startswith("the loss never changes: on each of 2 ranks, every micro-batch loss of fit(4) is one "
+                               "constant (1.5, 2.5)")
+    assert vacuity_verdict([rank(losses=[2.5])], "fit(1)") == ""  # one loss is no sequence
+
+
+def test_zero_gradients_on_both_sides_are_not_equivalence():
+    import torch
+
+    from ddp_conformance.checks.gradient_equivalence import _vacuous
+
+    zero = {"w": torch.zeros(3), "b": None}
+    assert _vacuous(zero, zero, 0.0).startswith("training does not change the model: every gradient is exactly zero")
+    assert _vacuous(zero, {"w": torch.tensor([0.0, 1e-30, 0.0]), "b": None}, 0.3) == ""
+
+
+def test_dataset_items_are_compared_by_content_at_fixed_indices():
+    import numpy as np
+    import torch
+
+    from ddp_conformance.checks.data_consistency import _read, sample_indices
+    from ddp_conformance.checks.states import item_digest
+
+    assert sample_indices(64) == sample_indices(64) and {0, 63} <= set(sample_indices(64))
+    assert len(sample_indices(64)) >= 16 and sample_indices(3) == [0, 1, 2] and sample_indices(0) == []
+    item = (5, torch.arange(4.0), {"label": np.int64(2), "name": "x"})
+    same = (5, torch.arange(4.0).clone(), {"name": "x", "label": np.int64(2)})
+    assert item_digest(item) == item_digest(same)
+    assert item_digest(item) != item_digest((5, torch.arange(4.0) + 1e-7, item[2]))
+    assert item_digest(torch.ones(2, dtype=torch.bfloat16)) != item_digest(torch.ones(2, dtype=torch.float16))
+    assert item_digest(torch.zeros(2, 3)) != item_digest(torch.zeros(3, 2))
+    # an item that is random on every read (augmentation) is left out, a fixed one is compared
+    data = [torch.ones(3), None]
+    data_reads = type("Augmented", (), {"__getitem__": lambda self, i: data[0] if i == 0 else torch.rand(3)})()
+    found = _read(data_reads, [0, 1])
+    assert found[0] == item_digest(torch.ones(3)) and found[1] is None

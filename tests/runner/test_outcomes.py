@@ -3,6 +3,8 @@ xfails from ranks, parametrized world sizes, fixtures reaching the ranks, output
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
@@ -148,3 +150,58 @@ def test_fixtures_reach_ranks_and_output_is_prefixed(pytester: pytest.Pytester) 
     assert "During handling" not in result.stdout.str()
     xml = (pytester.path / "out.xml").read_text()
     assert '<property name="answer" value="42"' in xml
+
+
+def test_the_same_error_with_rank_specific_values_is_merged_and_output_is_capped(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        import tempfile
+        import pytest
+        import torch
+
+        def load(rank):
+            return undefined_loader(rank)
+
+        @pytest.mark.ddp(world_size=2)
+        def test_name_error_in_a_call_naming_the_rank(ddp):
+            try:
+                load(ddp.rank)
+            except NameError as exc:
+                raise RuntimeError(f"load(rank={ddp.rank}, cache={object()!r}) raised NameError: {exc}") from exc
+
+        @pytest.mark.ddp(world_size=2)
+        def test_value_error_with_rank_pid_value_and_temp_path(ddp):
+            path = tempfile.mkdtemp(prefix=f"shard{ddp.rank}-")
+            raise ValueError(f"rank {ddp.rank} (pid {os.getpid()}): bad shard {torch.rand(1).item():.4f} in {path}")
+
+        @pytest.mark.ddp(world_size=2)
+        def test_different_errors_stay_apart(ddp):
+            raise (KeyError if ddp.rank == 0 else ValueError)(f"rank {ddp.rank}")
+
+        @pytest.mark.ddp(world_size=2)
+        def test_prints_ten_thousand_lines(ddp):
+            for i in range(10_000):
+                print(f"line {i} from rank {ddp.rank}")
+            assert False
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=4)
+    out = result.stdout.str()
+    parts = re.split(r"\n_{3,} (test_\w+) _{3,}\n", out.split("= FAILURES =", 1)[1])
+    failures = dict(zip(parts[1::2], parts[2::2], strict=True))
+    for name in ("test_name_error_in_a_call_naming_the_rank", "test_value_error_with_rank_pid_value_and_temp_path"):
+        block = failures[name]
+        assert "_ ranks 0, 1 _" in block and "_ rank 0 _" not in block and "_ rank 1 _" not in block, block
+        assert "(rank 0's shown; rank 1 differs only in numbers, addresses or temp paths)" in block
+    assert failures["test_value_error_with_rank_pid_value_and_temp_path"].count("ValueError: rank 0") == 2  # +headline
+    different = failures["test_different_errors_stay_apart"]
+    assert "_ rank 0 _" in different and "_ rank 1 _" in different and "KeyError" in different
+    # 10 000 lines per rank: the first 50 and the last 150 are kept, the lines between counted
+    printed = failures["test_prints_ten_thousand_lines"]
+    for rank in (0, 1):
+        kept = [int(m) for m in re.findall(rf"\[rank {rank}\] line (\d+) from rank {rank}\n", printed)]
+        assert kept == [*range(50), *range(9850, 10_000)], kept[:3]
+    assert printed.count("... 9800 lines cut ...") == 2
+    assert len(out.splitlines()) < 1000

@@ -55,3 +55,41 @@ def test_a_pool_out_of_step_is_poisoned() -> None:
     assert not run.poisoned
     run.replies[1].group_healthy = False
     assert run.poisoned
+
+
+def test_an_error_signature_ignores_what_differs_between_ranks() -> None:
+    import tempfile
+
+    from ddp_conformance.verdict import cap_output, error_signature
+
+    tmp = tempfile.gettempdir()
+    one = f"rank 0 (pid 4121): <Obj at 0x7f3a2c> value 0.1234 in {tmp}/shard0-abc12/x.pt, line 12"
+    two = f"rank 1 (pid 4187): <Obj at 0x7f9e10> value -2.5e-07 in {tmp}/shard1-zz9/x.pt, line 12"
+    assert error_signature(one) == error_signature(two)
+    assert error_signature("KeyError: 'rank 0'") != error_signature("ValueError: rank 0")
+    assert cap_output("a\nb") == ["a", "b"]
+    capped = cap_output("\n".join(map(str, range(1000))))
+    assert capped[49:52] == ["49", "... 800 lines cut ...", "850"] and len(capped) == 201
+    assert cap_output("x" * 2500) == ["x" * 2000 + "... (500 characters cut)"]
+
+
+def test_ranks_with_the_same_error_merge_under_one_representative() -> None:
+    run = PoolRun(arrival=[0, 1, 2])
+    run.replies = {r: RankReply(r, FAILED, message=f"NameError: x (rank={r})", longrepr=f"E  NameError at rank={r}")
+                   for r in (0, 1)}
+    run.replies[2] = RankReply(2, FAILED, message="KeyError: 'y'", longrepr="E  KeyError: 'y'")
+    body = judge(run, 3).body
+    assert "_ ranks 0, 1 _" in body and "rank 1's" not in body and "_ rank 2 _" in body
+    assert "(rank 0's shown; rank 1 differs only in numbers, addresses or temp paths)" in body
+    assert "rank=0" in body and "rank=1" not in body
+
+
+def test_a_huge_rank_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
+    from ddp_conformance.supervisor import OUTPUT_KEEP_BYTES, OUTPUT_READ_BYTES, RankProcess
+
+    log = tmp_path / "rank0.log"
+    log.write_bytes(b"old\n" + b"h" * OUTPUT_KEEP_BYTES + b"x" * OUTPUT_READ_BYTES + b"t" * OUTPUT_KEEP_BYTES)
+    proc = RankProcess(0, None, log, tmp_path / "stack", None)  # type: ignore[arg-type]
+    text = proc.output_since(4)
+    assert text == "h" * OUTPUT_KEEP_BYTES + f"\n... {OUTPUT_READ_BYTES} bytes cut ...\n" + "t" * OUTPUT_KEEP_BYTES
+    assert proc.output_since(log.stat().st_size - 3) == "ttt"
