@@ -110,6 +110,9 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     if failed:
         # the earliest failure is the likeliest cause; later ones are often its echo
         first = next((r for r in run.arrival if r in failed), min(failed))
+        # shown as its merged group is shown: by the group's lowest rank, whichever rank came first
+        signature = error_signature(failed[first].message)
+        first = min(r for r, reply in failed.items() if error_signature(reply.message) == signature)
         causes.append(f"{ranks_label(sorted(failed))} failed: {_clip(failed[first].message)}")
     if hung:
         reason = "timed out" if run.timed_out else "stuck after another rank failed"
