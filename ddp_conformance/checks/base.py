@@ -19,6 +19,7 @@ from .guard import GuardedAdapter
 if TYPE_CHECKING:
     from ..adapter import RankContext, TrainerAdapter
     from ..config import RunConfig
+    from .observe import FitRecord
 
 
 class CheckFailed(AssertionError):
@@ -46,6 +47,7 @@ class CheckContext:
     stall_after: float
     figures: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    recordings: dict[str, FitRecord] = field(default_factory=dict)  # what each guarded fit really did
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True

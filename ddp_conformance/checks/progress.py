@@ -27,6 +27,7 @@ from typing import Any
 
 from ..adapter import FitObserver, StepInfo
 from .base import CheckContext, fmt, hide_on_verdict
+from .observe import FitRecorder
 
 POLL_SECONDS = 0.02
 
@@ -174,7 +175,9 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
 
     def target() -> None:
         try:
-            box["result"] = call(observer)
+            with FitRecorder() as recorder:  # what the fit really did, beside what the observer is told
+                ctx.recordings[label] = recorder.record
+                box["result"] = call(observer)
         except BaseException as exc:  # reported to the watching thread
             box["error"] = exc
             observer.end(exc)

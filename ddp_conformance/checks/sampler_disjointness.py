@@ -1,16 +1,26 @@
-"""sampler_disjointness: over an epoch of the trainer's own loader, the ranks' samples are a partition.
+"""sampler_disjointness: over the epochs the real fit trains on, the ranks' samples are a partition.
 
-Each rank builds *its own* loader (`make_loader(rank=this rank)`) for two epochs and the indices are
-gathered, rather than one process building every rank's loader: a trainer that reads the rank
-from the process group instead of the `rank` argument would look right when built elsewhere and
-still be wrong where it runs. The rules and diagnoses are in `sampling.py`.
+The indices come from the fit itself (`observe.FitRecorder` records what each rank's training
+loader drew), never from a restatement: a loop that forgets `set_epoch` fails here even when the
+adapter's `make_loader` calls it. The fit runs long enough to finish two epochs: a one-step probe
+fit first measures the training loader's length and the micro-batches per optimizer step. Where
+the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
+("make_loader yields samples the fit never consumed"); where the fit's loader draws no dataset
+indices (no `BatchSampler`), the helpers are the only source and the figures say so. The rules and
+diagnoses are in `sampling.py`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import pytest
+
+from ..adapter import NotProvided
 from .base import CheckContext, all_gather, hide_on_verdict
+from .observe import LoaderPass
+from .progress import guarded_fit
 from .sampling import analyse
 
 EPOCHS = (0, 1)
@@ -18,24 +28,54 @@ EPOCHS = (0, 1)
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
-    adapter = ctx.adapter()
-    dataset = adapter.make_dataset()
-    size = len(dataset)  # type: ignore[arg-type]
-    mine: list[list[list[int]]] = []
-    batches = 0
-    with ctx.training():
-        for epoch in EPOCHS:
-            loader = adapter.make_loader(dataset, rank=ctx.rank, world_size=ctx.world_size, epoch=epoch)
-            mine.append([adapter.batch_indices(batch) for batch in loader])
-            batches += len(mine[-1])
-    ctx.figures["loader_batches_read"] = batches  # no training step is observed here
+    steps = _two_epochs_of_steps(ctx)
+    guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
+    passes = ctx.recordings["two-epochs"].training_passes()
+    if min(all_gather(len(passes))) < len(EPOCHS) + 1:
+        pytest.skip(f"fit({steps}) did not finish {len(EPOCHS)} epochs of its training loader (it started "
+                    f"{len(passes)} passes over it): the order across epochs cannot be judged")
+    complete = passes[: len(EPOCHS)]
+    if not all(p.indexed for p in complete):
+        return _judge_from_helpers(ctx, complete)
+    size = complete[0].dataset_size
+    shuffle = complete[0].shuffle if complete[0].shuffle is not None else ctx.config.data.shuffle
+    if size is None:
+        pytest.skip(f"the training loader's dataset has no length ({complete[0].sampler}): an iterable dataset's "
+                    "sharding cannot be judged as a partition of indices")
+    figures = _judge(ctx, [p.batches for p in complete], size, shuffle)
+    figures["indices_from"] = "the fit"
+    _cross_check(ctx, [p.batches for p in complete], figures)
+    return figures
+
+
+def _two_epochs_of_steps(ctx: CheckContext) -> int:
+    """Optimizer steps that take the fit into a third epoch: from a one-step probe fit's loader
+    length and micro-batches per optimizer step, agreed by every rank (unequal lengths hang DDP)."""
+    __tracebackhide__ = hide_on_verdict
+    guarded_fit(ctx, "probe", 1, lambda obs: ctx.adapter().fit(1, observer=obs))
+    record = ctx.recordings["probe"]
+    passes = record.training_passes()
+    length = passes[0].length if passes else None
+    lengths = all_gather(length)
+    if any(n is None for n in lengths):
+        pytest.skip("the training loader has no length (or no DDP forward ran in fit(1)): the steps of an epoch "
+                    "cannot be known")
+    if len(set(lengths)) > 1:
+        raise ctx.fail(f"the ranks' training loaders have different lengths ({lengths} batches): uneven batch counts "
+                       "leave ranks waiting in DDP's all-reduce at the end of every epoch (the batching differs "
+                       "between ranks)", batches_per_rank=lengths)
+    accumulate = max(1, record.micro_batches // max(1, record.optimizer_steps))
+    return len(EPOCHS) * math.ceil(lengths[0] / accumulate) + 1
+
+
+def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
     gathered = all_gather(mine)
     epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(EPOCHS))]
-    shuffle = ctx.config.data.shuffle
     verdict = analyse(epochs, size, shuffle)
     figures = dict(verdict.figures)
     if not shuffle:
-        ctx.note("data.shuffle is false: the order across epochs is not judged")
+        ctx.note("the loader does not shuffle: the order across epochs is not judged")
     elif figures.get("order_changes") is None:
         ctx.note("too few samples per epoch to judge the order across epochs")
     if not verdict.ok:
@@ -43,3 +83,59 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     overlap = figures.get("padding_duplicates", 0)
     figures["summary"] = f"disjoint, {overlap} padding dup" + ("" if overlap == 1 else "s")
     return figures
+
+
+def _helper_epochs(ctx: CheckContext) -> list[list[list[int]]] | None:
+    """This rank's batches of `make_loader` for each epoch, or None when the adapter has no helpers."""
+    adapter = ctx.adapter()
+    try:
+        dataset = adapter.make_dataset()
+        with ctx.training():
+            return [[adapter.batch_indices(batch) for batch in
+                     adapter.make_loader(dataset, rank=ctx.rank, world_size=ctx.world_size, epoch=epoch)]
+                    for epoch in EPOCHS]
+    except NotProvided:
+        return None
+
+
+def _cross_check(ctx: CheckContext, fit: list[list[list[int]]], figures: dict[str, Any]) -> None:
+    """A helper that restates the loader must yield what the fit consumed, or every check built on it
+    judges something that never runs."""
+    __tracebackhide__ = hide_on_verdict
+    helper = _helper_epochs(ctx)
+    mismatch = None if helper is None else _first_difference(helper, fit)
+    mismatches = all_gather(mismatch)
+    figures["helper_agrees"] = None if helper is None else not any(mismatches)
+    wrong = [(rank, m) for rank, m in enumerate(mismatches) if m]
+    if wrong:
+        rank, (epoch, position, said, drew) = wrong[0]
+        raise ctx.fail(f"make_loader yields samples the fit never consumed: on rank {rank}, epoch {epoch}, batch "
+                       f"{position} of make_loader is {said} where the fit's own loader drew {drew} (the adapter "
+                       "restates the loop differently from what the loop does)", **figures)
+
+
+def _first_difference(helper: list[list[list[int]]],
+                      fit: list[list[list[int]]]) -> tuple[int, int, list[int], list[int]] | None:
+    for epoch, (said, drew) in enumerate(zip(helper, fit, strict=True)):
+        for position in range(max(len(said), len(drew))):
+            a = said[position] if position < len(said) else []
+            b = drew[position] if position < len(drew) else []
+            if a != b:
+                return epoch, position, a[:8], b[:8]
+    return None
+
+
+def _judge_from_helpers(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any]:
+    """The fit's loader does not batch through a BatchSampler, so its indices are unknown: judge the
+    adapter's `make_loader` instead, and say so."""
+    __tracebackhide__ = hide_on_verdict
+    helper = _helper_epochs(ctx)
+    if helper is None:
+        pytest.skip(f"the fit's training loader draws no dataset indices ({passes[0].sampler} without a "
+                    "BatchSampler) and the adapter provides no make_loader/batch_indices to read them from")
+    ctx.note("indices read from make_loader: the fit's loader batches without a BatchSampler")
+    size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
+    figures = _judge(ctx, helper, size, ctx.config.data.shuffle)
+    figures["indices_from"] = "make_loader"
+    return figures
+

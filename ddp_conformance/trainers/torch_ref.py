@@ -409,12 +409,15 @@ class TorchTrainer(TrainerAdapter):
         self.load_checkpoint(self.read_checkpoint(Path(checkpoint)))
         return self._run(steps, None, None, observer)
 
+    def epoch_loader(self, epoch: int) -> DataLoader:
+        """The loader the fit's own loop iterates in `epoch` (the `make_loader` helper by default)."""
+        return self.make_loader(self.dataset, rank=self.ctx.rank, world_size=self.ctx.world_size, epoch=epoch)
+
     def _run(self, steps: int, target: Path | None, checkpoint_at: int | None,
              observer: FitObserver | None) -> TrainState:
         accumulate = self.config.trainer.accumulate_grad_batches
         while self.global_step < steps:
-            loader = self.make_loader(self.dataset, rank=self.ctx.rank, world_size=self.ctx.world_size,
-                                      epoch=self.epoch)
+            loader = self.epoch_loader(self.epoch)
             length = len(loader)
             if length == 0:
                 raise RuntimeError(f"rank {self.ctx.rank}: the loader of epoch {self.epoch} is empty")

@@ -1,0 +1,55 @@
+"""FitRecorder sees what a hand-written DDP loop really does, with no call in the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.ddp(world_size=2)
+def test_recorder_sees_ddp_micro_batches_steps_and_the_indices_drawn(ddp):
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+
+    from ddp_conformance.checks.observe import FitRecorder
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
+    sampler = DistributedSampler(data, num_replicas=2, rank=ddp.rank, shuffle=True, seed=3)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    model = DistributedDataParallel(nn.Linear(3, 1), gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FitRecorder() as recorder:
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for position, (x, y) in enumerate(loader):
+                sync = position % 2 == 1
+                context = model.no_sync() if not sync else torch.enable_grad()
+                with context:
+                    nn.functional.mse_loss(model(x), y).backward()
+                if sync:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        with torch.no_grad():  # an evaluation pass: not the training loader's
+            for x, _ in loader:
+                model(x)
+    record = recorder.record
+    assert record.ddp["gradient_as_bucket_view"] is True and record.ddp["static_graph"] is False
+    assert record.micro_batches == 6 and record.synced == [False, True, False] * 2
+    assert record.optimizer_steps == 2
+    assert [p.trained for p in record.passes] == [True, True, False]
+    expected = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        expected.append([order[i:i + 2] for i in range(0, len(order), 2)])
+    assert [p.batches for p in record.training_passes()] == expected
+    assert record.passes[0].length == 3 and record.passes[0].dataset_size == 10
+    assert record.passes[0].shuffle is True and record.passes[0].indexed
+    # everything is put back: the next fit (or the user's code) runs unhooked
+    assert "__iter__" in DataLoader.__dict__ and DataLoader.__iter__.__qualname__ == "DataLoader.__iter__"
+    assert BatchSampler.__iter__.__qualname__ == "BatchSampler.__iter__"
+    from torch.nn.modules import module
+
+    assert not module._global_forward_pre_hooks
