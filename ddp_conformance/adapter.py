@@ -140,8 +140,13 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
 
+    #: read off the fit's objects by the harness (the adapter returned nothing): counters unknown
+    observed: bool = False
+
     @property
     def counters(self) -> dict[str, int]:
+        if self.observed:
+            return {}
         return {"epoch": self.epoch, "global_step": self.global_step, "position": self.position}
 
 
@@ -204,8 +209,11 @@ class TrainerAdapter:
     def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """One micro-batch as the trainer does it: forward, loss, backward and anything it does after
         backward; no optimizer step, no zero_grad. Returns the loss (detached). Collective when
-        `model` is DDP-wrapped (the backward all-reduces)."""
-        raise NotProvided(self, "train_step", "a single training step cannot be run on its own")
+        `model` is DDP-wrapped (the backward all-reduces). The default is `loss(model, batch).backward()`:
+        override it only when the trainer does more per micro-batch (clipping, a scaler, hooks)."""
+        loss = self.loss(model, batch)
+        loss.backward()
+        return loss.detach()
 
     # --- fit, checkpoint, resume ----------------------------------------------------------------
 

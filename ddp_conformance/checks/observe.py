@@ -4,17 +4,22 @@ A check that asks the adapter to restate the trainer (`make_loader`, `train_step
 restatement: a loop that forgot `set_epoch` passes when the adapter's `make_loader` calls it. So
 while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
 
-- every DDP forward, through `torch.nn.modules.module.register_module_forward_pre_hook` (global,
-  public): the first DDP module's settings, each training micro-batch and whether it synchronised
-  gradients (`require_backward_grad_sync`, which `no_sync()` clears);
-- every optimizer step, through `torch.optim.optimizer.register_optimizer_step_post_hook`;
+- every micro-batch: a training-mode, grad-enabled forward of a model with trainable parameters
+  that no other module's forward encloses (the DDP wrapper, or the bare model of a trainer that
+  forgot DDP), through the global, public `register_module_forward_pre_hook`/`_forward_hook`;
+  for a DDP model also its settings and whether the micro-batch synchronised gradients
+  (`require_backward_grad_sync`, which `no_sync()` clears);
+- every optimizer step, through the global `register_optimizer_step_pre_hook`/`_post_hook`, and
+  whether the gradients it applied were all exactly zero;
 - every pass of a DataLoader over its data and the dataset indices each batch drew, by wrapping the
   public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the fit (restored
   after; a DataLoader subclass that calls `super().__iter__()` is seen too). A loader whose batches
   do not come from a `BatchSampler` is recorded without indices.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
-recorder at a time: a rank runs one fit at a time.
+recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
+the adapter's own vocabulary (`on_wrapped`, `before_step`, `after_step`), derived from the hooks,
+so no adapter has to call an observer for progress, hang diagnosis or vacuity evidence.
 """
 
 from __future__ import annotations
@@ -50,10 +55,15 @@ class FitRecord:
     """Everything one fit did on this rank, as the hooks saw it."""
 
     ddp: dict[str, Any] | None = None  # the settings of the first DDP module that ran forward
+    model_type: str = ""  # the class of the model the micro-batches ran through
     micro_batches: int = 0
-    synced: list[bool] = field(default_factory=list)
+    synced: list[bool] = field(default_factory=list)  # per micro-batch of a DDP model
     optimizer_steps: int = 0
+    grad_steps: int = 0  # optimizer steps that found gradients on their parameters
+    nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
     passes: list[LoaderPass] = field(default_factory=list)
+    model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
+    optimizer: Any = field(default=None, repr=False)  # the first optimizer that stepped
 
     def training_passes(self) -> list[LoaderPass]:
         return [p for p in self.passes if p.trained]
@@ -62,7 +72,7 @@ class FitRecord:
         """Plain values, for figures and for gathering across ranks."""
         return {"micro_batches": self.micro_batches, "synced": sum(self.synced),
                 "optimizer_steps": self.optimizer_steps, "loader_passes": len(self.training_passes()),
-                "ddp": self.ddp}
+                "model_type": self.model_type, "ddp": self.ddp}
 
 
 class FitRecorder:
@@ -70,14 +80,18 @@ class FitRecorder:
 
     _lock = threading.Lock()
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Any = None, rank: int = 0) -> None:
         self.record = FitRecord()
+        self.listener = listener
+        self.rank = rank
         self._stack = contextlib.ExitStack()
+        self._depth = threading.local()
+        self._open: Any = None  # the StepInfo of the micro-batch in progress
 
     def __enter__(self) -> FitRecorder:
         import torch
-        from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils.data import BatchSampler, DataLoader
 
         if not FitRecorder._lock.acquire(blocking=False):
@@ -85,13 +99,18 @@ class FitRecorder:
         self._stack.callback(FitRecorder._lock.release)
         self._torch = torch
         self._stack.callback(register_module_forward_pre_hook(self._on_forward).remove)
+        self._stack.callback(register_module_forward_hook(self._on_forward_end, always_call=True).remove)
+        self._stack.callback(register_optimizer_step_pre_hook(self._on_optimizer_pre_step).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        try:
+            self._close_micro_batch()
+        finally:
+            self._stack.close()
 
     def _patch(self, owner: type, name: str, make: Any) -> None:
         original = owner.__dict__[name]
@@ -101,21 +120,63 @@ class FitRecorder:
     # --- hooks ------------------------------------------------------------------------------------
 
     def _on_forward(self, module: Any, _args: Any) -> None:
+        depth = getattr(self._depth, "value", 0)
+        self._depth.value = depth + 1
+        if depth == 0 and module.training and self._torch.is_grad_enabled() and _trainable(module):
+            self._micro_batch(module)
+
+    def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
+        self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
+
+    def _micro_batch(self, model: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        if not isinstance(module, DistributedDataParallel):
-            return
         record = self.record
-        if record.ddp is None:
-            record.ddp = {name: getattr(module, name, None) for name in DDP_SETTINGS}
-        if module.training and self._torch.is_grad_enabled():
-            record.micro_batches += 1
-            record.synced.append(bool(module.require_backward_grad_sync))
-            if record.passes:
-                record.passes[-1].trained = True
+        first = record.micro_batches == 0
+        if first:
+            record.model_type, record.model = type(model).__name__, model
+        if isinstance(model, DistributedDataParallel):
+            if record.ddp is None:
+                record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
+            record.synced.append(bool(model.require_backward_grad_sync))
+        record.micro_batches += 1
+        training = record.training_passes()
+        if record.passes and not record.passes[-1].trained:
+            record.passes[-1].trained = True
+            training = record.training_passes()
+        self._close_micro_batch()
+        if self.listener is None:
+            return
+        if first:
+            self.listener.on_wrapped(model)
+        self._open = self._step_info(model, training)
+        self.listener.before_step(self._open)
 
-    def _on_optimizer_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _step_info(self, model: Any, training: list[LoaderPass]) -> Any:
+        from ..adapter import StepInfo
+
+        record = self.record
+        current = training[-1] if training else None
+        position = len(current.batches) - 1 if current is not None and current.batches else record.micro_batches - 1
+        return StepInfo(rank=self.rank, epoch=max(0, len(training) - 1), global_step=record.optimizer_steps,
+                        position=max(0, position), batch_size=0,
+                        optimizer_step=bool(record.synced[-1]) if record.synced else True)
+
+    def _close_micro_batch(self) -> None:
+        if self._open is not None and self.listener is not None:
+            opened, self._open = self._open, None
+            self.listener.after_step(opened)
+
+    def _on_optimizer_pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            self.record.grad_steps += 1
+            self.record.nonzero_grad_steps += any(bool(g.any()) for g in grads)
+
+    def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self.record.optimizer_steps += 1
+        if self.record.optimizer is None:
+            self.record.optimizer = optimizer
 
     def _loader_iter(self, original: Any) -> Any:
         recorder = self
@@ -137,6 +198,10 @@ class FitRecorder:
             return _recorded(original(sampler), target)
 
         return __iter__
+
+
+def _trainable(module: Any) -> bool:
+    return any(p.requires_grad for p in module.parameters())
 
 
 def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterator[list[int]]:
@@ -171,3 +236,35 @@ def _shuffles(sampler: Any) -> bool | None:
     if isinstance(sampler, SequentialSampler):
         return False
     return None
+
+
+class ObservedState:
+    """A `TrainState` read off the objects the fit used, for an adapter whose `fit`/`resume` returns
+    nothing: the model's state_dict (without DDP's `module.`) and the optimizer's. Counters are not
+    observable in absolute terms (a resumed fit counts from its checkpoint), so none are compared."""
+
+    @staticmethod
+    def of(result: Any, record: FitRecord) -> Any:
+        from ..adapter import TrainState
+
+        if isinstance(result, TrainState):
+            return result
+        if record.model is None:
+            raise RuntimeError("the fit returned no TrainState and ran no training forward to read one from")
+        module = getattr(record.model, "module", record.model)
+        params = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        optimizer = _cpu(record.optimizer.state_dict()) if record.optimizer is not None else {}
+        return TrainState(params=params, optimizer=optimizer, scheduler=None, epoch=0,
+                          global_step=record.optimizer_steps, position=0, observed=True)
+
+
+def _cpu(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu(v) for v in value)
+    return value

@@ -3,9 +3,10 @@
 A rank that stops training (returns early, raises, skips a batch) leaves the others blocked in
 DDP's gradient all-reduce, and nothing that goes through the process group can report it. So every
 fit a check runs goes through `guarded_fit`:
-- the fit runs in a daemon thread; its `FitObserver` writes this rank's progress (micro-batches
-  begun and finished, the last `StepInfo`, done/error) to `<dir>/rank<r>.json` in the workdir that
-  all ranks share, atomically (temp file + rename), at every event;
+- the fit runs in a daemon thread under a `FitRecorder`, whose hooks drive a `ProgressObserver`
+  that writes this rank's progress (micro-batches begun and finished, the last `StepInfo`,
+  done/error) to `<dir>/rank<r>.json` in the workdir that all ranks share, atomically (temp file +
+  rename), at every event; the adapter need not call any observer;
 - the calling thread polls every rank's file. When all ranks are done it returns. When some rank
   is done (or failed) and no rank has made progress for `stall_after` seconds, or no rank has moved
   for `4 * stall_after`, the fit is hung: it raises `CheckFailed` naming the ranks that stopped and
@@ -27,7 +28,7 @@ from typing import Any
 
 from ..adapter import FitObserver, StepInfo
 from .base import CheckContext, fmt, hide_on_verdict
-from .observe import FitRecorder
+from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 
@@ -99,6 +100,18 @@ class ProgressObserver(FitObserver):
             p.error = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         p.extra = extra or {}
         self.write()
+
+
+class LossTap(FitObserver):
+    """What the adapter is handed as its observer: the losses it reports reach `inner`; its
+    `before_step`/`after_step` calls count nothing (the recorder counts from the fit's own hooks)."""
+
+    def __init__(self, inner: FitObserver | None) -> None:
+        self.inner = inner
+
+    def after_step(self, info: StepInfo) -> None:
+        if self.inner is not None and info.loss is not None:
+            self.inner.after_step(info)
 
 
 def read_all(directory: Path, world_size: int) -> list[Progress | None]:
@@ -175,9 +188,12 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
 
     def target() -> None:
         try:
-            with FitRecorder() as recorder:  # what the fit really did, beside what the observer is told
+            # progress comes from the fit's own forwards and steps (the recorder's hooks); the
+            # adapter's observer calls, if it makes any, only add the losses it reports
+            with FitRecorder(listener=observer, rank=ctx.rank) as recorder:
                 ctx.recordings[label] = recorder.record
-                box["result"] = call(observer)
+                result = call(LossTap(inner))
+            box["result"] = ObservedState.of(result, recorder.record)
         except BaseException as exc:  # reported to the watching thread
             box["error"] = exc
             observer.end(exc)

@@ -2,9 +2,9 @@
 in the gradient all-reduce.
 
 Evidence, all from one short fit of the trainer (`fit(STEPS)`):
-- steps: counted per rank by a `FitObserver` that writes progress files outside the process group
-  (`progress.py`), so a rank that stops training is named with the step where it stopped even
-  though the others hang in the all-reduce;
+- steps: counted per rank from the fit's own forwards (`observe.FitRecorder`), written to progress
+  files outside the process group (`progress.py`), so a rank that stops training is named with the
+  step where it stopped even though the others hang in the all-reduce;
 - all-reduce participation: after the fit the ranks' *parameters* (not buffers: BatchNorm running
   stats are per rank by design) are bit-identical although each rank trained on its own shard.
   Parameters can only stay identical on different data if every rank's gradients were averaged
@@ -42,7 +42,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
     def extra(state: TrainState) -> dict[str, Any]:
         return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
-                "losses": capture.losses, "evidence": capture.summary(state)}
+                "losses": capture.losses, "evidence": capture.summary(state, ctx.recordings.get("fit"))}
 
     state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
                                   inner=capture, extra=extra)
@@ -53,8 +53,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                "wrapped_type": wrapped}
     if not any(micro):
         if any(steps):
-            pytest.skip(f"trainer {ctx.spec}: its fit trained {steps[0]} steps but never called the FitObserver "
-                        "(before_step/after_step), so per-rank steps cannot be observed")
+            pytest.skip(f"trainer {ctx.spec}: its fit took {steps[0]} optimizer steps but no training forward of a "
+                        "module was seen (is the model called as model.forward(x) instead of model(x)?), so per-rank "
+                        "steps cannot be observed")
         raise ctx.fail(f"no rank ran a forward/backward step: fit({STEPS}) returned without training", **figures)
     idle = [r for r, m in enumerate(micro) if m == 0]
     if idle:
@@ -80,7 +81,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             raise ctx.fail(f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): "
                            "the ranks' parameters agree only because every rank saw the same data", **figures)
         if is_ddp is None:
-            pytest.skip("every rank saw the same data and the fit never showed its model (FitObserver.on_wrapped): "
+            pytest.skip("every rank saw the same data and no training forward of the model was seen: "
                         "identical parameters cannot prove the all-reduce here; see sampler_disjointness")
         ctx.note("every rank saw the same losses (the same data?): identical parameters do not prove the "
                  "all-reduce here; see sampler_disjointness")

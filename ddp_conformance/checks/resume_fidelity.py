@@ -63,6 +63,12 @@ class _FirstStepWeights(FitObserver):
                             for n, p in self.model.named_parameters()}
 
 
+def _newest_file(directory: Path) -> str | None:
+    """The checkpoint a fit wrote without naming it (its adapter returned no TrainState)."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return str(max(files, key=lambda p: p.stat().st_mtime_ns)) if files else None
+
+
 def _disturb_rng(rank: int) -> None:
     import numpy as np
     import torch
@@ -142,8 +148,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     ctx.figures.update(figures)
 
     evidence = TrainingEvidence()
+    def evidence_of(state: TrainState) -> dict[str, Any]:
+        return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
+
     full, progress = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs),
-                                 inner=evidence, extra=lambda state: {"evidence": evidence.summary(state)})
+                                 inner=evidence, extra=evidence_of)
     # a run that trains nothing resumes "bitwise" whatever its checkpoint holds
     vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
     if vacuous:
@@ -154,7 +163,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
     at_checkpoint = _capture_rng()
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
-                          str(part.checkpoint) if part.checkpoint else None,
+                          str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
                           digest(parameters(part.params))))
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1:

@@ -19,7 +19,6 @@ import pytest
 
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import LoaderPass
 from .progress import guarded_fit
 from .sampling import analyse
 
@@ -28,7 +27,12 @@ EPOCHS = (0, 1)
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
-    steps = _two_epochs_of_steps(ctx)
+    try:
+        steps = _two_epochs_of_steps(ctx)
+    except NotProvided as exc:
+        if exc.what != "fit":
+            raise
+        return _judge_from_helpers(ctx, "the adapter provides no fit")
     guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
     passes = ctx.recordings["two-epochs"].training_passes()
     if min(all_gather(len(passes))) < len(EPOCHS) + 1:
@@ -36,7 +40,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                     f"{len(passes)} passes over it): the order across epochs cannot be judged")
     complete = passes[: len(EPOCHS)]
     if not all(p.indexed for p in complete):
-        return _judge_from_helpers(ctx, complete)
+        return _judge_from_helpers(ctx, f"the fit's loader batches without a BatchSampler ({complete[0].sampler})")
     size = complete[0].dataset_size
     shuffle = complete[0].shuffle if complete[0].shuffle is not None else ctx.config.data.shuffle
     if size is None:
@@ -125,17 +129,14 @@ def _first_difference(helper: list[list[list[int]]],
     return None
 
 
-def _judge_from_helpers(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any]:
-    """The fit's loader does not batch through a BatchSampler, so its indices are unknown: judge the
-    adapter's `make_loader` instead, and say so."""
+def _judge_from_helpers(ctx: CheckContext, why: str) -> dict[str, Any]:
+    """The fit cannot show its indices (`why`): judge the adapter's `make_loader` instead, and say so."""
     __tracebackhide__ = hide_on_verdict
     helper = _helper_epochs(ctx)
     if helper is None:
-        pytest.skip(f"the fit's training loader draws no dataset indices ({passes[0].sampler} without a "
-                    "BatchSampler) and the adapter provides no make_loader/batch_indices to read them from")
-    ctx.note("indices read from make_loader: the fit's loader batches without a BatchSampler")
+        pytest.skip(f"{why}, and the adapter provides no make_loader/batch_indices to read indices from")
+    ctx.note(f"indices read from make_loader, not from the fit: {why}")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
     figures = _judge(ctx, helper, size, ctx.config.data.shuffle)
     figures["indices_from"] = "make_loader"
     return figures
-

@@ -6,9 +6,8 @@ make then holds trivially: DDP's gradients equal the single-process ones (both 0
 sync, a resume is bitwise. So a check that judges training first asks the real fit whether it
 trained at all, from what the `FitObserver` sees on every rank:
 
-- gradients: after each micro-batch's backward (and whatever the trainer does after it), whether
-  any parameter's gradient is nonzero; only gradients that exist count (a trainer may set them to
-  None before `after_step`, and then this says nothing);
+- gradients: at each optimizer step (the recorder's hook), whether any gradient it applies is
+  nonzero, after whatever the trainer did to them (clipping, unscaling);
 - parameters: a digest when the model is wrapped and one of the fit's final parameters;
 - losses: every micro-batch loss the fit reports.
 
@@ -22,23 +21,20 @@ from typing import Any
 
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import fmt
+from .observe import FitRecord
 from .states import digest, parameters
 
 
 class TrainingEvidence(FitObserver):
-    """Records, during a real fit, whether the gradients were ever nonzero, the losses, and the
-    parameters' digest at wrapping time."""
+    """Records, during a real fit, the parameters' digest when the model first runs and the losses
+    the adapter reports; `summary` adds the gradients the recorder saw at each optimizer step."""
 
     def __init__(self) -> None:
-        self.model: Any = None
         self.names: list[str] | None = None
         self.initial: str | None = None
-        self.grad_steps = 0  # micro-batches after which some gradient existed
-        self.nonzero_grad_steps = 0  # ... and after which some gradient was nonzero
         self.losses: list[float] = []
 
     def on_wrapped(self, model: Any) -> None:
-        self.model = model
         named = {n.removeprefix("module."): p.detach() for n, p in model.named_parameters()}
         self.names = list(named)
         self.initial = digest(named)
@@ -46,21 +42,16 @@ class TrainingEvidence(FitObserver):
     def after_step(self, info: StepInfo) -> None:
         if info.loss is not None:
             self.losses.append(float(info.loss))
-        if self.model is None:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            self.grad_steps += 1
-            self.nonzero_grad_steps += any(bool(g.any()) for g in grads)
 
-    def summary(self, state: TrainState | None) -> dict[str, Any]:
+    def summary(self, state: TrainState | None, record: FitRecord | None) -> dict[str, Any]:
         """What this rank saw, as JSON-able values; `params_changed` is None when unknown."""
         changed = None
         if state is not None and self.initial is not None and self.names:
             final = parameters(state.params, self.names)
             if set(final) == set(self.names):
                 changed = digest(final) != self.initial
-        return {"grad_steps": self.grad_steps, "nonzero_grad_steps": self.nonzero_grad_steps,
+        return {"grad_steps": record.grad_steps if record else 0,
+                "nonzero_grad_steps": record.nonzero_grad_steps if record else 0,
                 "losses": list(self.losses), "params_changed": changed}
 
 
@@ -75,8 +66,8 @@ def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
     constant = losses and all(len(e["losses"]) > 1 and len(set(e["losses"])) == 1 for e in seen)
     said = f"; every loss was exactly {fmt(losses[0])}" if constant and len(set(losses)) == 1 else ""
     if grad_steps and not sum(e["nonzero_grad_steps"] for e in seen):
-        return (f"training does not change the model: every gradient is exactly zero after each of the {grad_steps} "
-                f"backward passes of {fit} on {ranks}{said} (a loss that does not depend on the parameters, e.g. "
+        return (f"training does not change the model: every gradient is exactly zero at each of the {grad_steps} "
+                f"optimizer steps of {fit} on {ranks}{said} (a loss that does not depend on the parameters, e.g. "
                 "cross_entropy over a one-column output, is identically 0)")
     if all(e["params_changed"] is False for e in seen):
         return (f"training does not change the model: the parameters after {fit} are bitwise the initial ones on "

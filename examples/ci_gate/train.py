@@ -39,23 +39,20 @@ def compute_loss(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
-def train(model, optimizer, dataset, rank, world_size, step, until, on_batch=None, after_step=None) -> int:
-    """Train from optimizer step `step` to `until`; returns the step reached."""
+def train(model, optimizer, dataset, rank, world_size, step, until, checkpoint_every=0, checkpoint_dir=None) -> int:
+    """Train from optimizer step `step` to `until`, saving a checkpoint every `checkpoint_every` steps."""
     per_epoch = len(build_loader(dataset, rank, world_size, 0))
     while step < until:
         epoch, done = divmod(step, per_epoch)
         for position, batch in enumerate(build_loader(dataset, rank, world_size, epoch)):
             if position < done:
                 continue  # already trained on before the checkpoint
-            if on_batch:
-                on_batch(epoch, step, position, batch)
             optimizer.zero_grad()
-            loss = compute_loss(model, batch)
-            loss.backward()
+            compute_loss(model, batch).backward()
             optimizer.step()
             step += 1
-            if after_step:
-                after_step(step, loss)
+            if checkpoint_every and step % checkpoint_every == 0:
+                save_checkpoint(Path(checkpoint_dir) / f"step{step}.pt", model, optimizer, step)
             if step >= until:
                 break
     return step

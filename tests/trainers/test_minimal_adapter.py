@@ -48,9 +48,18 @@ def test_minimal_adapter_passes_what_the_checks_ask(ddp, tmp_path):
     adapter.train_step(wrapped, adapter.collate([dataset[i] for i in shards[ctx.rank][:4]]))
     assert all(p.grad is not None and p.grad._is_view() for p in wrapped.parameters())
 
-    full = fresh().fit(12)
-    part = fresh().fit(12, checkpoint_dir=tmp_path, checkpoint_at=5)
+    from ddp_conformance.checks.observe import FitRecorder, ObservedState
+
+    def observed(call):  # as a check runs a fit: the adapter returns nothing, the hooks see it all
+        with FitRecorder() as recorder:
+            result = call()
+        return ObservedState.of(result, recorder.record), recorder.record
+
+    full, record = observed(lambda: fresh().fit(12))
+    assert record.micro_batches == record.optimizer_steps == 12 and record.nonzero_grad_steps == 12
+    observed(lambda: fresh().fit(5, checkpoint_dir=tmp_path, checkpoint_at=5))
     torch.manual_seed(123 + ctx.rank)
-    resumed = fresh().resume(part.checkpoint, 12)
+    resumed, _ = observed(lambda: fresh().resume(tmp_path / "step5.pt", 12))
     assert differences(full, resumed) == []
-    assert full.losses[-1] < full.losses[0]
+    initial = fresh().make_model().state_dict()
+    assert any(not torch.equal(initial[k], full.params[k]) for k in initial)
