@@ -25,6 +25,7 @@ so no adapter has to call an observer for progress, hang diagnosis or vacuity ev
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,9 +46,12 @@ class LoaderPass:
     dataset_size: int | None
     sampler: str
     shuffle: bool | None
+    replacement: bool | None = None  # the sampler draws with replacement (RandomSampler, WeightedRandomSampler)
+    iterable: bool = False  # an IterableDataset: no indices, the dataset decides what each rank reads
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a BatchSampler, so they are dataset indices
     trained: bool = False
+    first_input: str | None = None  # a digest of the first training micro-batch's inputs
 
 
 @dataclass
@@ -123,12 +127,12 @@ class FitRecorder:
         depth = getattr(self._depth, "value", 0)
         self._depth.value = depth + 1
         if depth == 0 and module.training and self._torch.is_grad_enabled() and _trainable(module):
-            self._micro_batch(module)
+            self._micro_batch(module, _args)
 
     def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
 
-    def _micro_batch(self, model: Any) -> None:
+    def _micro_batch(self, model: Any, inputs: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         record = self.record
@@ -143,6 +147,7 @@ class FitRecorder:
         training = record.training_passes()
         if record.passes and not record.passes[-1].trained:
             record.passes[-1].trained = True
+            record.passes[-1].first_input = input_digest(inputs)
             training = record.training_passes()
         self._close_micro_batch()
         if self.listener is None:
@@ -192,7 +197,7 @@ class FitRecorder:
 
         def __iter__(sampler: Any) -> Iterator[list[int]]:
             passes = recorder.record.passes
-            target = passes[-1] if passes and not passes[-1].batches else None
+            target = passes[-1] if passes and not passes[-1].batches and not passes[-1].iterable else None
             if target is not None:
                 target.indexed = True
             return _recorded(original(sampler), target)
@@ -207,8 +212,35 @@ def _trainable(module: Any) -> bool:
 def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterator[list[int]]:
     for batch in batches:
         if target is not None:
-            target.batches.append([int(i) for i in batch])
+            if all(isinstance(i, numbers.Integral) for i in batch):
+                target.batches.append([int(i) for i in batch])
+            else:  # not dataset indices (a custom sampler yielding keys): nothing to judge by index
+                target.indexed, target = False, None
         yield batch
+
+
+def input_digest(value: Any) -> str:
+    """A digest of a micro-batch's inputs (tensors by their bytes), to tell whether ranks read the same data."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha1()
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(item, dict):
+            for key in sorted(item, key=str):
+                visit(item[key])
+        elif isinstance(item, list | tuple):
+            for element in item:
+                visit(element)
+        elif isinstance(item, int | float | str | bool):
+            digest.update(repr(item).encode())
+
+    visit(value)
+    return digest.hexdigest()[:16]
 
 
 def _new_pass(loader: Any) -> LoaderPass:
@@ -222,9 +254,14 @@ def _new_pass(loader: Any) -> LoaderPass:
         size = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
     except TypeError:
         size = None  # an iterable dataset
+    from torch.utils.data import IterableDataset
+
     shuffle = getattr(sampler, "shuffle", None)
+    replacement = getattr(sampler, "replacement", None)
     return LoaderPass(length=length, dataset_size=size, sampler=type(sampler).__name__,
-                      shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler))
+                      shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
+                      replacement=bool(replacement) if isinstance(replacement, bool) else None,
+                      iterable=isinstance(dataset, IterableDataset))
 
 
 def _shuffles(sampler: Any) -> bool | None:

@@ -6,8 +6,12 @@ adapter's `make_loader` calls it. The fit runs long enough to finish two epochs:
 fit first measures the training loader's length and the micro-batches per optimizer step. Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
 ("make_loader yields samples the fit never consumed"); where the fit's loader draws no dataset
-indices (no `BatchSampler`), the helpers are the only source and the figures say so. The rules and
-diagnoses are in `sampling.py`.
+indices (no `BatchSampler`), the helpers are the only source and the figures say so.
+
+The sampling scheme is recognised from what the fit used, and each is held to its own invariant:
+a partition (DistributedSampler or any sampler without replacement: `sampling.py`), independent
+per-rank draws with replacement, or a rank-sharded IterableDataset (`schemes.py`). Advice never
+asks for something that would break another scheme.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 import pytest
 
 from ..adapter import NotProvided
+from . import schemes
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit
 from .sampling import analyse
@@ -28,11 +33,15 @@ EPOCHS = (0, 1)
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     try:
-        steps = _two_epochs_of_steps(ctx)
+        guarded_fit(ctx, "probe", 1, lambda obs: ctx.adapter().fit(1, observer=obs))
     except NotProvided as exc:
         if exc.what != "fit":
             raise
         return _judge_from_helpers(ctx, "the adapter provides no fit")
+    probe = ctx.recordings["probe"].training_passes()
+    if any(all_gather(bool(probe) and probe[0].iterable)):
+        return schemes.judge_iterable(ctx, probe)
+    steps = _two_epochs_of_steps(ctx)
     guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
     passes = ctx.recordings["two-epochs"].training_passes()
     if min(all_gather(len(passes))) < len(EPOCHS) + 1:
@@ -41,22 +50,21 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     complete = passes[: len(EPOCHS)]
     if not all(p.indexed for p in complete):
         return _judge_from_helpers(ctx, f"the fit's loader batches without a BatchSampler ({complete[0].sampler})")
+    if complete[0].replacement:
+        return schemes.judge_with_replacement(ctx, complete)
     size = complete[0].dataset_size
+    assert size is not None  # a map-style dataset: it has indices
     shuffle = complete[0].shuffle if complete[0].shuffle is not None else ctx.config.data.shuffle
-    if size is None:
-        pytest.skip(f"the training loader's dataset has no length ({complete[0].sampler}): an iterable dataset's "
-                    "sharding cannot be judged as a partition of indices")
     figures = _judge(ctx, [p.batches for p in complete], size, shuffle)
-    figures["indices_from"] = "the fit"
+    figures.update(indices_from="the fit", scheme="partition")
     _cross_check(ctx, [p.batches for p in complete], figures)
     return figures
 
 
 def _two_epochs_of_steps(ctx: CheckContext) -> int:
-    """Optimizer steps that take the fit into a third epoch: from a one-step probe fit's loader
+    """Optimizer steps that take the fit into a third epoch: from the one-step probe fit's loader
     length and micro-batches per optimizer step, agreed by every rank (unequal lengths hang DDP)."""
     __tracebackhide__ = hide_on_verdict
-    guarded_fit(ctx, "probe", 1, lambda obs: ctx.adapter().fit(1, observer=obs))
     record = ctx.recordings["probe"]
     passes = record.training_passes()
     length = passes[0].length if passes else None

@@ -114,7 +114,8 @@ def _diagnose_partition(seqs: list[list[int]], n: int, world: int) -> str:
                             for s in range(r + 1, world)), default=(0, 0, 0))
         return (f"the ranks' samples overlap: {repeats} repeats where DistributedSampler's padding allows at most "
                 f"{padding} (ranks {r} and {s} share {shared}): the ranks shuffle with different permutations (a "
-                "sampler seed that differs per rank? every rank must use the same seed)")
+                "sampler seed that differs per rank? DistributedSampler's shares are disjoint only when every rank "
+                "uses the same seed)")
     if len(missing) > n % world:
         return (f"{len(missing)} of {n} samples reach no rank (e.g. {_sample(missing)}), more than a dropped tail "
                 f"({n % world}), with {max(counts)} samples per rank at most instead of {math.ceil(n / world)}: the "

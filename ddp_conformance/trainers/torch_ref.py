@@ -92,7 +92,8 @@ class ResumableLoader(DataLoader):
         return self._resumable_iter()
 
     def _resumable_iter(self) -> Iterator[Any]:
-        epoch = int(getattr(self.sampler, "epoch", 0))
+        # an IterableDataset that shards itself keeps the epoch (its sampler is a placeholder)
+        epoch = int(getattr(self.sampler, "epoch", getattr(self.dataset, "epoch", 0)))
         skip = 0
         if self._pending is not None and self._pending.get("epoch") == epoch:
             skip = int(self._pending.get("position", 0))
