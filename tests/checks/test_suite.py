@@ -80,7 +80,8 @@ def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug
         session: dict[str, Any], path: Path) -> None:
     breaks, diagnosis = declared(path, "BREAKS"), declared(path, "DIAGNOSIS", {})
     skips: dict[str, str] = declared(path, "SKIPS", {})
-    assert (breaks or skips) and set(breaks) | set(skips) <= set(CHECK_IDS)
+    control = declared(path, "CONTROL", "")  # a trainer correct in an unusual way: it must pass
+    assert (breaks or skips or control) and set(breaks) | set(skips) <= set(CHECK_IDS)
     assert set(diagnosis) == set(breaks), "every check a mutant breaks has the words its verdict must say"
     results = session["results"][f"{path}:Trainer"]
     assert list(results) == list(CHECK_IDS)
@@ -100,6 +101,14 @@ def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(
     assert result["outcome"] == "skipped" and figures["saved_pct_of_grad_bytes"] >= 90, result
     assert f"{figures['saved_pct_of_grad_bytes']}% of one gradient copy" in result["message"]
     assert any("DistributedDataParallel(model, gradient_as_bucket_view=..." in note for note in figures["notes"])
+
+
+@pytest.mark.parametrize(("control", "scheme"), [("per_rank_with_replacement", "independent draws with replacement"),
+                                                 ("iterable_sharded", "iterable dataset")])
+def test_unusual_but_correct_sampling_is_recognised_not_just_passed(session: dict[str, Any], control: str,
+                                                                     scheme: str) -> None:
+    result = session["results"][f"{ROOT / 'fixtures' / 'mutants' / control}.py:Trainer"]["sampler_disjointness"]
+    assert result["outcome"] == "passed" and result["figures"]["scheme"] == scheme, result
 
 
 def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:
