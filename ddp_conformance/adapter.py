@@ -159,6 +159,9 @@ class TrainerAdapter:
 
     #: shown in reports and skip reasons; defaults to the class name
     name: str = ""
+    #: when `fit(checkpoint_at=k)` can write a checkpoint: None (at any optimizer step), "epoch" (only
+    #: at epoch ends), or N (every N steps); resume_fidelity picks k accordingly
+    checkpoint_every: int | str | None = None
 
     config: RunConfig
     ctx: RankContext

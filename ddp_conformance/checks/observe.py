@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
                 "bucket_bytes_cap")
 
@@ -66,6 +67,8 @@ class FitRecord:
     grad_steps: int = 0  # optimizer steps that found gradients on their parameters
     nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
     passes: list[LoaderPass] = field(default_factory=list)
+    first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
+    step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
     optimizer: Any = field(default=None, repr=False)  # the first optimizer that stepped
 
@@ -139,6 +142,7 @@ class FitRecorder:
         first = record.micro_batches == 0
         if first:
             record.model_type, record.model = type(model).__name__, model
+            record.first_rng = input_digest(self._torch.get_rng_state())
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
@@ -179,9 +183,12 @@ class FitRecorder:
             self.record.nonzero_grad_steps += any(bool(g.any()) for g in grads)
 
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        self.record.optimizer_steps += 1
-        if self.record.optimizer is None:
-            self.record.optimizer = optimizer
+        record = self.record
+        record.optimizer_steps += 1
+        if record.optimizer is None:
+            record.optimizer = optimizer
+        if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
+            record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
 
     def _loader_iter(self, original: Any) -> Any:
         recorder = self

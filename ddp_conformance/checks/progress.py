@@ -18,6 +18,7 @@ Every rank reads the same files, so every rank reaches the same verdict.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -232,3 +233,25 @@ def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: 
             threshold = ctx.stall_after if some_stopped else 4 * ctx.stall_after
             ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
             raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)
+
+
+def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], label: str = "probe") -> int | None:
+    """Optimizer steps in one epoch of the trainer's real training loader, from a one-step fit
+    (`fit(observer)` must run `adapter.fit(1, ...)`): its loader's length over the micro-batches per
+    optimizer step. Every rank must agree: unequal lengths leave ranks waiting in DDP's all-reduce,
+    which is a verdict. None when the loader has no length."""
+    __tracebackhide__ = hide_on_verdict
+    from .base import all_gather
+
+    guarded_fit(ctx, label, 1, fit)
+    record = ctx.recordings[label]
+    passes = record.training_passes()
+    lengths = all_gather(passes[0].length if passes else None)
+    if any(n is None for n in lengths):
+        return None
+    if len(set(lengths)) > 1:
+        raise ctx.fail(f"the ranks' training loaders have different lengths ({lengths} batches): uneven batch counts "
+                       "leave ranks waiting in DDP's all-reduce at the end of every epoch (the batching differs "
+                       "between ranks)", batches_per_rank=lengths)
+    accumulate = max(1, record.micro_batches // max(1, record.optimizer_steps))
+    return max(1, math.ceil(lengths[0] / accumulate))

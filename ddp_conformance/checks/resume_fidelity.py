@@ -3,12 +3,14 @@ deliberately disturbed, ends at step n exactly where an uninterrupted run ends: 
 optimizer state, scheduler state and counters (bitwise on CPU with up to 2 ranks, within 1e-4
 relative beyond: see `tolerance`); and only rank 0 wrote checkpoint files.
 
-Steps. E = optimizer steps in one epoch (from the trainer's own loader); k = E//2 + 1 (mid-epoch)
-and n = k + E, so the resumed part crosses an epoch boundary (a lost epoch counter or set_epoch
-shows). Runs, each a guarded fit (`progress.py`, so a hang is named, not waited out):
-F = fit(n); P = fit(k) writing its checkpoint at k; R = resume(P's checkpoint, n) on a fresh
-adapter after reseeding every RNG to a rank-specific value (a restart never inherits the RNG).
-The model gets dropout 0.1 if the config has none, otherwise a missing RNG state could not show.
+Steps. E = optimizer steps in one epoch of the real training loader (a one-step probe fit); k lies
+in the second epoch (mid-epoch, E + E//2 + 1, or where the adapter's declared `checkpoint_every`
+allows: "epoch" or every N steps) and n = k + E, so a resume that restores the position but not the
+epoch shows and the resumed part crosses an epoch boundary. Runs, each a guarded fit
+(`progress.py`, so a hang is named, not waited out): F = fit(n); P = fit(k) writing its checkpoint
+at k; R = resume(P's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank-specific
+value (a restart never inherits the RNG). The model gets dropout 0.1 if the config has none,
+otherwise a missing RNG state could not show.
 
 Who wrote the checkpoint: every rank passes its *own* directory as `checkpoint_dir`
 (`ckpt/rank<r>`). A file can only appear under `ckpt/rank1` if rank 1's process wrote it, so after
@@ -18,7 +20,10 @@ and writes elsewhere is reported as such; one that broadcasts rank 0's path and 
 ranks would land in rank 0's directory and is not told apart: a limit of watching directories.)
 
 Before anything is compared, the uninterrupted fit must have trained (`vacuity.py`): a fit whose
-gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds.
+gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds; and the two fits
+from scratch must agree at step k (the recorder digests the parameters after every step), or the
+fit is not reproducible and no resume can be judged. A resumed fit whose first batch draws from the
+RNG a fresh fit starts with has re-seeded on start, which is named as such.
 
 Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
 with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
@@ -39,7 +44,7 @@ import pytest
 
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
-from .progress import guarded_fit
+from .progress import guarded_fit, probe_epoch_steps
 from .states import Difference, differences, digest, parameters
 from .vacuity import TrainingEvidence, vacuity_verdict
 
@@ -117,16 +122,38 @@ def tolerance(ctx: CheckContext) -> float:
     return CUDA_RTOL
 
 
-def _epoch_steps(ctx: CheckContext, adapter: Any) -> int:
+def _epoch_steps(ctx: CheckContext, config: Any) -> int:
+    """Optimizer steps per epoch of the real training loader (a one-step probe fit), else of
+    `make_loader`, else an assumption the notes state."""
     from ..adapter import NotProvided
 
+    observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs))
+    if observed is not None:
+        return observed
+    adapter = ctx.adapter(config)
     try:
         loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
         batches = len(loader)
     except (NotProvided, TypeError):
-        ctx.note(f"epoch length unknown (no make_loader/len): assumed {FALLBACK_EPOCH_STEPS} steps")
+        ctx.note(f"epoch length unknown (the fit's loader and make_loader have no length): assumed "
+                 f"{FALLBACK_EPOCH_STEPS} steps")
         return FALLBACK_EPOCH_STEPS
     return max(1, math.ceil(batches / ctx.config.trainer.accumulate_grad_batches))
+
+
+def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
+    """(k, n): the checkpoint step and the final step. The checkpoint lies in the *second* epoch, so
+    a resume that restores the position but not the epoch shows, and the resumed part crosses an
+    epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer that
+    checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that checkpoints
+    every N steps the first multiple of N inside the second epoch or after it."""
+    if cadence == "epoch":
+        k = 2 * epoch
+    elif isinstance(cadence, int) and cadence > 0:
+        k = cadence * math.ceil((epoch + 1) / cadence)
+    else:
+        k = epoch + epoch // 2 + 1
+    return k, k + epoch + (epoch // 2 if cadence == "epoch" else 0)
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
@@ -137,13 +164,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
         ctx.note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
                  "shows (a trainer that ignores the config's model section keeps its own model)")
-    epoch = _epoch_steps(ctx, ctx.adapter(config))
-    k = epoch // 2 + 1 if epoch >= 2 else 1
-    n = k + epoch
+    epoch = _epoch_steps(ctx, config)
+    cadence = getattr(ctx.factory(), "checkpoint_every", None)
+    k, n = plan_steps(epoch, cadence)
     rtol = tolerance(ctx)
     exact = rtol == 0.0
     figures: dict[str, Any] = {
-        "checkpoint_step": k, "final_step": n, "epoch_steps": epoch,
+        "checkpoint_step": k, "final_step": n, "epoch_steps": epoch, "checkpoint_cadence": cadence or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
 
@@ -174,6 +201,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ctx.fail(f"no checkpoint file after fit({k}, checkpoint_at={k}): rank 0 reported "
                        f"{checkpoint!r}", **figures)
     figures["checkpoint"] = Path(checkpoint).name
+    unreproducible = _not_reproducible(ctx, k)
+    if unreproducible:
+        raise ctx.fail(unreproducible, **figures)
 
     _disturb_rng(ctx.rank)
     first = _FirstStepWeights()
@@ -186,7 +216,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     # every decision below is taken from gathered values, so all ranks run the same collectives
     if any(all_gather(bool(found))):
         static = _diagnose(found, full, part, first.weights, Path(checkpoint), n, k) if found else ""
-        verdict = next((v for v in all_gather(static) if v), "")
+        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n)
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, Path(checkpoint), at_checkpoint, n, k)
             verdict = next((v for v in all_gather(verdict) if v), verdict)
@@ -202,6 +232,30 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
                           else f"max |d| {figures['max_abs_delta']:.0e} @{n} (ckpt @{k})")
     return figures
+
+
+def _not_reproducible(ctx: CheckContext, k: int) -> str:
+    """Two fits from scratch must agree at step k (the uninterrupted fit and the one that
+    checkpoints), or no resume can be compared with either: "" when they do or cannot be compared."""
+    full, part = ctx.recordings["uninterrupted"].step_digests, ctx.recordings["until-checkpoint"].step_digests
+    mine = full[k - 1] != part[k - 1] if len(full) >= k and len(part) >= k else False
+    differing = [rank for rank, d in enumerate(all_gather(mine)) if d]
+    if not differing:
+        return ""
+    return (f"the fit is not reproducible: two fits from scratch already differ after step {k} on rank "
+            f"{differing[0]} (its parameters), so a resume cannot be compared with either: an unseeded model, "
+            "data order or dropout? (every rank starts with its own fresh seeds, as under torchrun)")
+
+
+def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
+    """The resumed fit's first micro-batch drew from the RNG of a fresh fit's first micro-batch: the
+    trainer seeds its RNG when it starts, after (or instead of) restoring the checkpoint's."""
+    fresh, resumed = ctx.recordings["uninterrupted"].first_rng, ctx.recordings["resumed"].first_rng
+    if not all(all_gather(fresh is not None and fresh == resumed)):
+        return ""
+    return (f"the trainer re-seeds its RNG when it starts: {_head(k, n)}, and its first batch after the resume draws "
+            "from the RNG state a fresh fit starts with, not the one saved at the checkpoint (seed once, before "
+            "restoring the checkpoint's RNG state, or not at all on resume)")
 
 
 def _head(k: int, n: int) -> str:
@@ -221,6 +275,9 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
             return (f"the global step is not restored: {head} (global_step {c['global_step'].right} instead of "
                     f"{c['global_step'].left})")
         shown = ", ".join(f"{key} {d.right} instead of {d.left}" for key, d in c.items())
+        if set(c) == {"epoch"}:
+            return (f"the epoch/position in the epoch is not restored: {head} ({shown}); the position is, so the "
+                    "resumed run reads the rest of another epoch's shuffle (set_epoch gets the wrong epoch)")
         return (f"the epoch/position in the epoch is not restored: {head} ({shown}); the resumed run re-reads "
                 "the epoch from its first batch")
     if first_weights is not None:

@@ -3,7 +3,8 @@
 The indices come from the fit itself (`observe.FitRecorder` records what each rank's training
 loader drew), never from a restatement: a loop that forgets `set_epoch` fails here even when the
 adapter's `make_loader` calls it. The fit runs long enough to finish two epochs: a one-step probe
-fit first measures the training loader's length and the micro-batches per optimizer step. Where
+fit first measures the training loader's length and the micro-batches per optimizer step
+(`progress.probe_epoch_steps`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
 ("make_loader yields samples the fit never consumed"); where the fit's loader draws no dataset
 indices (no `BatchSampler`), the helpers are the only source and the figures say so.
@@ -16,7 +17,6 @@ asks for something that would break another scheme.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -24,7 +24,7 @@ import pytest
 from ..adapter import NotProvided
 from . import schemes
 from .base import CheckContext, all_gather, hide_on_verdict
-from .progress import guarded_fit
+from .progress import guarded_fit, probe_epoch_steps
 from .sampling import analyse
 
 EPOCHS = (0, 1)
@@ -33,7 +33,7 @@ EPOCHS = (0, 1)
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     try:
-        guarded_fit(ctx, "probe", 1, lambda obs: ctx.adapter().fit(1, observer=obs))
+        epoch = probe_epoch_steps(ctx, lambda obs: ctx.adapter().fit(1, observer=obs))
     except NotProvided as exc:
         if exc.what != "fit":
             raise
@@ -41,7 +41,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     probe = ctx.recordings["probe"].training_passes()
     if any(all_gather(bool(probe) and probe[0].iterable)):
         return schemes.judge_iterable(ctx, probe)
-    steps = _two_epochs_of_steps(ctx)
+    if epoch is None:
+        pytest.skip("the training loader has no length (or no training forward ran in fit(1)): the steps of an "
+                    "epoch cannot be known")
+    steps = len(EPOCHS) * epoch + 1  # into a third epoch, so the first two are complete
     guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
     passes = ctx.recordings["two-epochs"].training_passes()
     if min(all_gather(len(passes))) < len(EPOCHS) + 1:
@@ -59,25 +62,6 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures.update(indices_from="the fit", scheme="partition")
     _cross_check(ctx, [p.batches for p in complete], figures)
     return figures
-
-
-def _two_epochs_of_steps(ctx: CheckContext) -> int:
-    """Optimizer steps that take the fit into a third epoch: from the one-step probe fit's loader
-    length and micro-batches per optimizer step, agreed by every rank (unequal lengths hang DDP)."""
-    __tracebackhide__ = hide_on_verdict
-    record = ctx.recordings["probe"]
-    passes = record.training_passes()
-    length = passes[0].length if passes else None
-    lengths = all_gather(length)
-    if any(n is None for n in lengths):
-        pytest.skip("the training loader has no length (or no DDP forward ran in fit(1)): the steps of an epoch "
-                    "cannot be known")
-    if len(set(lengths)) > 1:
-        raise ctx.fail(f"the ranks' training loaders have different lengths ({lengths} batches): uneven batch counts "
-                       "leave ranks waiting in DDP's all-reduce at the end of every epoch (the batching differs "
-                       "between ranks)", batches_per_rank=lengths)
-    accumulate = max(1, record.micro_batches // max(1, record.optimizer_steps))
-    return len(EPOCHS) * math.ceil(lengths[0] / accumulate) + 1
 
 
 def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool) -> dict[str, Any]:
