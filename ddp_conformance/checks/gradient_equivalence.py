@@ -4,9 +4,10 @@ ranks over several steps.
 
 How: every rank takes the same global batch (the dataset's first `world_size * per_rank` items),
 runs the trainer's own `train_step` on its consecutive shard through the trainer's `wrap`, and
-computes locally, without DDP, the gradient of the global batch and of its own shard with the
-trainer's `loss`. `per_rank` is batch_size x accumulate_grad_batches, so the trainer's accumulation
-splits the shard into equal micro-batches (equal sizes are what makes mean-of-means the mean).
+computes locally, without DDP and as in a world of one process (`world_of_one`), the gradient of the
+global batch and of its own shard with the trainer's `loss`. `per_rank` is batch_size x
+accumulate_grad_batches, so the trainer's accumulation splits the shard into equal micro-batches
+(equal sizes are what makes mean-of-means the mean).
 Models are in eval mode for this comparison: dropout masks and BatchNorm batch statistics
 legitimately differ between a shard and the whole batch, and are not what DDP synchronises.
 
@@ -15,13 +16,19 @@ Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by pr
 relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
 Gradients that are all exactly zero on both sides fail (`vacuity.py`): "0 equals 0" proves nothing.
 A failure names the parameter, its max |delta| and the tolerance, and a cause when the evidence
-points to one: a ratio of exactly 1/world_size (loss summed where DDP averages), world_size
+points to one: a ratio of exactly 1/world_size (a loss divided by the world size on top of DDP's
+averaging, when the trainer's loss in the real world is 1/world of the same loss computed in a
+world of one, `world_of_one`; else a loss summed where DDP averages), world_size
 (gradients summed over ranks), or gradients equal to the rank's own shard (no all-reduce).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -100,9 +107,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, shard(0, rank))
-    single_loss = adapter.loss(reference, global_batch)
-    single_loss.backward()
-    adapter.loss(own, shard(0, rank)).backward()
+    with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
+        single_loss = adapter.loss(reference, global_batch)
+        single_loss.backward()
+        adapter.loss(own, shard(0, rank)).backward()
+    with torch.no_grad():  # the same loss, computed in the real world: does it depend on the world size?
+        in_world = float(adapter.loss(adapter.make_model().eval(), global_batch))
+    scaled = world > 1 and abs(in_world * world - float(single_loss)) <= 1e-4 * abs(float(single_loss)) != 0
     ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
 
     precision = config.trainer.precision
@@ -117,7 +128,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                "max_rel_delta": delta / scale if scale else 0.0}
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
     verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
-                          or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate))
+                          or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
+                                      scaled))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
@@ -146,6 +158,21 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     return figures
 
 
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
+    and `get_rank()` say 1 and 0, and WORLD_SIZE/RANK say so too, so a loss scaled by the world size
+    is not scaled in the reference it is compared with. (A name imported before, as in
+    `from torch.distributed import get_world_size`, keeps the real value: a limit said in docs/checks.md.)"""
+    import torch.distributed as dist
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "get_world_size", lambda group=None: 1))
+        stack.enter_context(mock.patch.object(dist, "get_rank", lambda group=None: 0))
+        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
+        yield
+
+
 def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float) -> str:
     """A diagnosis when neither the DDP step nor the single-process loss gives any nonzero gradient:
     "0 equals 0" is no evidence of equivalence, and such a trainer never changes its model."""
@@ -157,8 +184,10 @@ def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float
 
 
 def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
-             name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1) -> str:
-    """This rank's diagnosis, or "" when the gradients match."""
+             name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1,
+             scaled: bool = False) -> str:
+    """This rank's diagnosis, or "" when the gradients match; `scaled`: the trainer's loss in the real
+    world is 1/world of the same loss in a world of one."""
     if missing:
         return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
                 f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")
@@ -168,6 +197,9 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     ratio, residual = _ratio(ddp_g, single_g)
     close = 10 * rtol + 1e-6
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
+        if scaled:
+            return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is divided by the "
+                    f"world size (dist.get_world_size()) on top of DDP's own averaging {where}")
         return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is summed where DDP "
                 f"averages (use a mean reduction) {where}")
     if accumulate > 1 and abs(ratio * world * accumulate - 1) < close and residual < close:
