@@ -1,0 +1,113 @@
+"""Drawn scenarios (hypothesis): world size 1-4, dataset sizes that world size x batch does not divide,
+drop_last, shuffle, accumulation. In every drawn scenario the torch reference passes every check, and
+each mutant here is caught wherever its bug can show:
+
+- no_set_epoch (the same shuffle every epoch) shows in sampler_disjointness only when the loader
+  shuffles, every rank reads at least two samples an epoch and the observed positions reach the
+  order rule's minimum (`sampling.ORDER_MIN_SIZE`); and in resume_fidelity whenever the checkpoint
+  falls mid-epoch (an epoch of at least 3 steps): its resumable loader keys the position on the
+  sampler's epoch, which this mutant never sets, so a mid-epoch resume replays the epoch;
+- world_scaled_loss (loss / world size on top of DDP's averaging) can show only above one rank;
+- ckpt_no_rng (no RNG state in the checkpoint) shows always: the check forces dropout.
+
+One nested pytest session per scenario runs all four trainers (a session costs a cold rank pool), and
+the default run takes one fixed scenario (world size 3) and one drawn one: `DDP_SCENARIOS=N` draws
+N (measured: 4 drawn scenarios in 167 s on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks.sampling import ORDER_MIN_SIZE
+
+ROOT = Path(__file__).resolve().parents[2]
+MUTANTS = ROOT / "fixtures" / "mutants"
+TRAINERS = ["torch", *(f"{MUTANTS / name}.py:Trainer" for name in ("no_set_epoch", "world_scaled_loss", "ckpt_no_rng"))]
+pytestmark = pytest.mark.xdist_group("conformance-scenarios")
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict:
+    world = draw(st.integers(1, 4))
+    batch = draw(st.integers(2, 4))
+    accumulate = draw(st.integers(1, 2))
+    drop_last = draw(st.booleans())
+    # at least two optimizer steps an epoch on every rank, and a size world x batch does not divide
+    size = draw(st.integers(2 * world * batch * accumulate + 1, 2 * world * batch * accumulate + 12)
+                .filter(lambda n: n % (world * batch) != 0))
+    return {"world": world, "config": {
+        "seed": draw(st.integers(0, 9)),
+        "trainer": {"accumulate_grad_batches": accumulate, "strategy": {"gradient_as_bucket_view": True}},
+        "data": {"size": size, "batch_size": batch, "shuffle": draw(st.booleans()), "drop_last": drop_last,
+                 "seed": draw(st.integers(0, 9))},
+    }}
+
+
+def run_scenario(tmp: Path, scenario: dict) -> dict[str, dict[str, dict]]:
+    config, report = tmp / "scenario.yaml", tmp / "report.json"
+    config.write_text(yaml.safe_dump(scenario["config"]))
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
+               "--ddp-world-size", str(scenario["world"]), "--ddp-timeout", "30", "--ddp-config", str(config),
+               "--ddp-report", str(report), "-k", "not bucket_view_memory"]
+    for trainer in TRAINERS:
+        command += ["--ddp-trainer", trainer]
+    proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=400)
+    assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-2000:]
+    results: dict[str, dict[str, dict]] = {}
+    for entry in json.loads(report.read_text())["results"]:
+        results.setdefault(Path(entry["trainer"].split(":")[0]).stem, {})[entry["check"]] = entry
+    return results
+
+
+def per_rank_samples(scenario: dict) -> int:
+    data, world = scenario["config"]["data"], scenario["world"]
+    return data["size"] // world if data["drop_last"] else math.ceil(data["size"] / world)
+
+
+def order_can_show(scenario: dict) -> bool:
+    per_rank = per_rank_samples(scenario)
+    return scenario["config"]["data"]["shuffle"] and per_rank >= 2 and per_rank * scenario["world"] >= ORDER_MIN_SIZE
+
+
+def epoch_steps(scenario: dict) -> int:
+    config = scenario["config"]
+    batches = math.ceil(per_rank_samples(scenario) / config["data"]["batch_size"])
+    return math.ceil(batches / config["trainer"]["accumulate_grad_batches"])
+
+
+@settings(max_examples=int(os.environ.get("DDP_SCENARIOS", "1")), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(scenario=scenarios())
+@example(scenario={"world": 3, "config": {  # always: an odd world, a size it does not divide, accumulation
+    "seed": 1, "trainer": {"accumulate_grad_batches": 2, "strategy": {"gradient_as_bucket_view": True}},
+    "data": {"size": 41, "batch_size": 3, "shuffle": True, "drop_last": True, "seed": 2}}})
+def test_references_pass_and_mutants_are_caught_in_drawn_scenarios(tmp_path_factory: pytest.TempPathFactory,
+                                                                  scenario: dict) -> None:
+    results = run_scenario(tmp_path_factory.mktemp("scenario"), scenario)
+    checks = [c for c in CHECK_IDS if c != "bucket_view_memory"]
+    reference = {c: (r["outcome"], r["message"]) for c, r in results["torch"].items()}
+    assert all(outcome == "passed" for outcome, _ in reference.values()), (scenario, reference)
+    assert list(results["torch"]) == checks
+    expected = {
+        "no_set_epoch": {"sampler_disjointness": order_can_show(scenario),
+                         "resume_fidelity": epoch_steps(scenario) >= 3},
+        "world_scaled_loss": {"gradient_equivalence": scenario["world"] > 1},
+        "ckpt_no_rng": {"resume_fidelity": True},
+    }
+    for mutant, shows in expected.items():
+        outcomes = {c: r["outcome"] for c, r in results[mutant].items()}
+        failed = {c for c, o in outcomes.items() if o == "failed"}
+        messages = {c: results[mutant][c]["message"] for c in failed}
+        assert failed == {check for check, show in shows.items() if show}, (mutant, scenario, outcomes, messages)
