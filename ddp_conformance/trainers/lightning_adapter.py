@@ -9,9 +9,10 @@ it does in a real fit, observed through public hooks, never re-implemented:
   the start of every epoch: the loader Lightning built from `train_dataloader()`, with its
   DistributedSampler injected and `set_epoch` already applied by the fit loop. The epoch's batches
   are read from that loader's batch sampler (indices into its `dataset`), so no sample has to carry
-  its index; `collate` is the loader's `collate_fn`. The module and datamodule are built from the
-  rank's own RNG state (as in a fresh torchrun process), so data generated without a seed shows in
-  data_consistency. A probe is a fit, hence collective: `make_loader` answers for this rank only.
+  its index; `collate` is the loader's `collate_fn`. The module and datamodule are built, and the
+  fit runs, from the rank's own RNG state with no `seed_everything` (as in a fresh torchrun process
+  that never seeds), so data generated without a seed shows in data_consistency. A probe is a fit,
+  hence collective: `make_loader` answers for this rank only.
 - model, loss, one step: the module's own `training_step`, run as the DDP model's forward (as
   Lightning's strategies run it, so DDP prepares its reducer), inside the precision plugin's context,
   then `on_before_backward`, `backward`, `on_after_backward`; accumulation as Lightning's automatic
@@ -303,17 +304,12 @@ class InstallRNG(pl.Callback):
 
 class ReadLoader(pl.Callback):
     """The probe's eyes: at each epoch's start, the train loader Lightning prepared, and the dataset
-    indices of each of that epoch's batches. Seeds at fit start, after the datamodule's setup, so
-    Lightning's DistributedSampler gets the seed a real fit gives it (`seed_everything`)."""
+    indices of each of that epoch's batches."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
+    def __init__(self) -> None:
         self.loader: DataLoader | None = None
         self.epochs: list[list[list[int]]] = []
         self.problem = ""
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl.seed_everything(self.seed, verbose=False)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = trainer.train_dataloader
@@ -400,10 +396,14 @@ class LightningAdapter(TrainerAdapter):
 
     def _run_probe(self, epochs: int) -> Probe:
         saved = capture_rng_state()  # an observation: the caller's RNG is left as it was
+        reader = ReadLoader()
         try:
-            built = self.build()  # from this rank's own RNG: unseeded data differs between ranks
-            reader = ReadLoader(self.config.seed)
             with lightning_environment(self.ctx.local_rank):
+                # no seed_everything: DDPStrategy's setup would reseed every rank with it (`reset_seed`),
+                # and the data is to be built from this rank's own RNG, as in a process that never seeds,
+                # so that data generated without a seed differs between ranks. Lightning's
+                # DistributedSampler then has its default seed (0), not the fits' config seed.
+                built = self.build()
                 trainer = self.make_trainer(built, [reader], max_epochs=epochs, limit_train_batches=1)
                 trainer.fit(built.module, datamodule=built.datamodule)
         finally:
