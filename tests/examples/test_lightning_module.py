@@ -23,6 +23,8 @@ import pytest
 
 from ddp_conformance.checks import CHECK_IDS
 
+# one xdist worker runs all of these, so the nested session (the module fixture) runs once
+pytestmark = pytest.mark.xdist_group("lightning-example")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_module"
 DEMOS = "lightning.pytorch.demos.boring_classes"
