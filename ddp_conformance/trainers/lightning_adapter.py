@@ -446,15 +446,15 @@ class LightningAdapter(TrainerAdapter):
         if not getattr(module, "automatic_optimization", True):
             raise NotProvided(self, "loss", "the module uses manual optimization (its training_step steps the "
                                             "optimizer itself)")
-        batch = module.on_after_batch_transfer(
-            module.transfer_batch_to_device(module.on_before_batch_transfer(batch, 0), self.device, 0), 0)
         try:
+            batch = module.on_after_batch_transfer(
+                module.transfer_batch_to_device(module.on_before_batch_transfer(batch, 0), self.device, 0), 0)
             with quiet(), self.precision_plugin().train_step_context():
                 output = call_as_forward(model, module, "training_step", batch, 0)
         except RuntimeError as exc:
             if "not attached to a `Trainer`" in str(exc):
-                raise NotProvided(self, "loss", "its training_step uses self.trainer, which exists only inside "
-                                                "Trainer.fit") from exc
+                raise NotProvided(self, "loss", "its training_step (or batch transfer hooks) use self.trainer, which "
+                                                "exists only inside Trainer.fit") from exc
             raise
         loss = step_loss(output)
         if loss is None:

@@ -99,3 +99,18 @@ def test_a_method_runs_as_the_wrappers_forward_and_forward_is_restored():
     out = call_as_forward(Wrapper(), module, "training_step", {"x": torch.ones(2, 3)}, 0)
     assert calls == ["wrapper"] and step_loss(out) is out["loss"]
     assert "forward" not in vars(module) and module(torch.ones(1, 3)).shape == (1, 1)
+
+
+def test_a_step_that_needs_a_running_trainer_is_not_provided_rather_than_an_error(tmp_path):
+    from ddp_conformance.adapter import NotProvided
+
+    class UsesTrainer(Tiny):
+        def training_step(self, batch, batch_idx):
+            return self(batch["x"]).sum() * self.trainer.global_step
+
+    # the message the adapter recognises is Lightning's own: if a release rewords it, this fails loudly
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        UsesTrainer().trainer  # noqa: B018
+    lit, _ = adapter(tmp_path, {})
+    with pytest.raises(NotProvided, match=r"its training_step .* use self\.trainer, which exists only inside"):
+        lit.loss(UsesTrainer(), {"x": torch.ones(2, 3)})
