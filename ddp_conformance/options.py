@@ -56,8 +56,8 @@ def add_options(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--ddp-trainer", dest="ddp_trainers", action="append", default=None, metavar="SPEC",
-        help="trainer to check (repeatable): torch, lightning, package.module:Attr or path/file.py:Attr; "
-        "default both built-ins.",
+        help="trainer to check (repeatable): torch, lightning, package.module:Attr or path/file.py:Attr (an "
+        "adapter), lightning:pkg.module:LitModule[+pkg.module:LitDataModule] (no adapter); default both built-ins.",
     )
     group.addoption(
         "--ddp-config", dest="ddp_config", default=None, metavar="PATH",

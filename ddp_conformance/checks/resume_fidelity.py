@@ -29,14 +29,15 @@ Diagnosis, first match wins: counters; the weights the resumed trainer starts it
 with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
 named when present); scheduler; optimizer; and if only the trajectory differs, one more resume
 with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored,
-otherwise the data position/order is not.
+otherwise the data position/order is not. When the checkpoint is Lightning's, those two verdicts
+name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -312,16 +313,50 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
         checkpoint, n, observer=obs))
     shown = [d for d in found if d.part == "params"] or found
     worst = max(shown, key=lambda d: d.delta or 0.0) if shown else Difference("params", "?", "", "")
+    lightning = lightning_checkpoint(checkpoint)
     if not differences(full, again, tolerance(ctx)):
+        remedy = LIGHTNING_RNG_REMEDY if lightning is not None else (
+            "save and restore the torch/numpy/python RNG states of every rank")
         return (f"the RNG state is not restored: {head} ({worst.describe()}) when the RNG is disturbed before the "
-                f"resume, and matches when it is left as it was at step {k}: save and restore the torch/numpy/python "
-                "RNG states of every rank")
+                f"resume, and matches when it is left as it was at step {k}: {remedy}")
     tail = full.losses[len(part.losses):]
     diverge = next((i for i, (a, b) in enumerate(zip(tail, again.losses, strict=False)) if a != b), None)
     at = f" from micro-batch {diverge} after the resume" if diverge is not None else ""
+    remedy = "" if lightning is None else f"; {LIGHTNING_DATA_REMEDY[lightning.stateful_loader]}"
     return (f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
             f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
-            f"({worst.describe()})")
+            f"({worst.describe()}){remedy}")
+
+
+LIGHTNING_RNG_REMEDY = ("Lightning checkpoints hold no RNG state: add ddp_conformance.lightning.RNGStateCallback() to "
+                        "your Trainer's callbacks (or return it from your LightningModule's configure_callbacks)")
+LIGHTNING_DATA_REMEDY = {
+    False: ("Lightning continues an epoch only with a train loader that has state_dict/load_state_dict: build it as "
+            "ddp_conformance.lightning.ResumableDataLoader(...) instead of DataLoader(...)"),
+    True: ("the checkpoint holds the train loader's state, so Lightning restored it: does train_dataloader() build "
+           "other data or another order after a restart?"),
+}
+
+
+@dataclass(frozen=True)
+class LightningCheckpoint:
+    stateful_loader: bool  # the fit loop saved a train loader's state_dict (`combined_loader`)
+
+
+def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
+    """What a Lightning checkpoint holds, or None for any other file. Read from the pickle's bytes in
+    the zip torch.save writes (keys are stored as plain strings there), so nothing is unpickled."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(checkpoint) as archive:
+            name = next(n for n in archive.namelist() if n.rpartition("/")[2] == "data.pkl")
+            pickled = archive.read(name)
+    except (OSError, zipfile.BadZipFile, StopIteration):
+        return None
+    if b"pytorch-lightning_version" not in pickled:
+        return None
+    return LightningCheckpoint(stateful_loader=b"combined_loader" in pickled)
 
 
 def _equal(a: Any, b: Any) -> bool:

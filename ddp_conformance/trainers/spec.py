@@ -1,12 +1,20 @@
-"""`--ddp-trainer SPEC` resolution: a built-in name, `package.module:Attr` or `path/to/file.py:Attr`.
+"""`--ddp-trainer SPEC` resolution: a built-in name, `package.module:Attr`, `path/to/file.py:Attr`, or
+`lightning:` and a LightningModule (+ LightningDataModule), or a factory, each named the same two ways.
+
+A `lightning:` SPEC needs no adapter: `lightning:pkg.model:LitModel+pkg.data:LitData` checks that
+module and datamodule (each built with no arguments) under Lightning's Trainer; `lightning:pkg.model:LitModel`
+alone uses the module's own `train_dataloader`; `lightning:path/to/file.py:make` names a
+zero-argument factory returning the module, `(module, datamodule)` or `(module, datamodule,
+trainer_kwargs)`, for classes that take arguments or a Trainer that needs some (callbacks,
+gradient clipping...). See `lightning_adapter.py`.
 
 Resolution happens twice: once in the pytest process, so a bad SPEC is a one-line usage error
 before anything is spawned, and again inside every rank (the ranks receive the SPEC string, not the
 class), which is why a file SPEC is imported under a name derived from its absolute path: the same
 file gives the same module name in every process, so its classes pickle by reference.
 
-This module imports neither torch nor lightning; the built-ins are imported only when their factory
-is called, inside a rank.
+This module imports neither torch nor lightning (a `lightning:` SPEC imports the user's modules, which
+do); the built-ins and the Lightning adapter are imported only when their factory is called.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -141,27 +150,148 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
     spec = spec.strip()
     if spec in BUILTINS:
         return _Builtin(spec)
+    if spec.startswith(LIGHTNING_PREFIX):
+        return _resolve_lightning(spec, Path(rootdir))
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise SpecError(_message(spec, "expected a built-in name (" + ", ".join(BUILTINS)
-                                 + "), package.module:Attr or path/to/file.py:Attr"))
+                                 + "), package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
+    return _as_factory(spec, _attribute(spec, target, attr, Path(rootdir), _adapters_in))
+
+
+def _attribute(spec: str, target: str, attr: str, rootdir: Path, candidates: Callable[[ModuleType], list[str]]) -> Any:
+    """`target`'s attribute `attr`, `target` being a module or a file; one line naming what is there if not."""
     if _is_file_spec(target):
         path = Path(target)
-        module = _import_file(spec, path if path.is_absolute() else Path(rootdir) / path, target)
+        module = _import_file(spec, path if path.is_absolute() else rootdir / path, target)
     else:
-        module = _import_module(spec, target, Path(rootdir))
+        module = _import_module(spec, target, rootdir)
     if not hasattr(module, attr):
-        public = sorted(n for n, v in vars(module).items()
-                        if isinstance(v, type) and issubclass(v, TrainerAdapter) and v is not TrainerAdapter)
-        hint = f" (adapters there: {', '.join(public)})" if public else ""
+        found = candidates(module)
+        hint = f" ({_KINDS[candidates]} there: {', '.join(found)})" if found else ""
         raise SpecError(_message(spec, f"{target} has no attribute {attr!r}{hint}"))
-    return _as_factory(spec, getattr(module, attr))
+    return getattr(module, attr)
+
+
+def _adapters_in(module: ModuleType) -> list[str]:
+    return sorted(n for n, v in vars(module).items()
+                  if isinstance(v, type) and issubclass(v, TrainerAdapter) and v is not TrainerAdapter)
+
+
+def _lightning_classes_in(module: ModuleType) -> list[str]:
+    return sorted(n for n, v in vars(module).items() if _lightning_kind(v) and v.__module__ == module.__name__)
+
+
+_KINDS: dict[Any, str] = {_adapters_in: "adapters", _lightning_classes_in: "Lightning classes"}
+
+
+def _lightning_kind(value: Any) -> str:
+    """"module" or "datamodule" for a LightningModule/LightningDataModule subclass, else "". Read from
+    the class's bases by name, so that no Lightning import is needed to tell."""
+    if not isinstance(value, type):
+        return ""
+    names = {(base.__module__.split(".")[0], base.__name__) for base in value.__mro__[1:]}
+    if ("lightning", "LightningModule") in names or ("pytorch_lightning", "LightningModule") in names:
+        return "module"
+    if ("lightning", "LightningDataModule") in names or ("pytorch_lightning", "LightningDataModule") in names:
+        return "datamodule"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# lightning:MODULE[+DATAMODULE] | lightning:FACTORY
+
+LIGHTNING_PREFIX = "lightning:"
+_LIGHTNING_USAGE = ("expected lightning:pkg.module:LitModule[+pkg.module:LitDataModule] or "
+                    "lightning:path/to/file.py:factory (each part package.module:Attr or path/to/file.py:Attr)")
+
+
+@dataclass(frozen=True)
+class LightningParts:
+    """What a `lightning:` SPEC names: zero-argument builders of the module and datamodule, or one
+    factory returning the module, `(module, datamodule)` or `(module, datamodule, trainer_kwargs)`."""
+
+    spec: str
+    label: str
+    module: Callable[[], Any] | None = None
+    datamodule: Callable[[], Any] | None = None
+    factory: Callable[[], Any] | None = None
+
+
+class _LightningFactory:
+    """Builds a `LightningAdapter` on what a `lightning:` SPEC named (imports Lightning when called)."""
+
+    def __init__(self, parts: LightningParts) -> None:
+        self.parts = parts
+        self.name = parts.label
+
+    def __call__(self) -> TrainerAdapter:
+        from .lightning_adapter import LightningAdapter
+
+        return LightningAdapter(self.parts)
+
+    def __repr__(self) -> str:
+        return f"<lightning trainer {self.name!r}>"
+
+
+def _resolve_lightning(spec: str, rootdir: Path) -> Factory:
+    """`lightning:` followed by one part (a LightningModule class, or a factory) or two (a module and
+    a datamodule, in either order), each `package.module:Attr` or `path/to/file.py:Attr`."""
+    pieces = [piece.strip() for piece in spec[len(LIGHTNING_PREFIX):].split("+")]
+    if not 1 <= len(pieces) <= 2 or not all(p.rpartition(":")[0] and p.rpartition(":")[2] for p in pieces):
+        raise SpecError(_message(spec, _LIGHTNING_USAGE))
+    named: dict[str, Any] = {}
+    for piece in pieces:
+        target, _, attr = piece.rpartition(":")
+        value = _attribute(spec, target, attr, rootdir, _lightning_classes_in)
+        kind = _lightning_kind(value) or _lightning_factory(spec, attr, value, len(pieces))
+        if kind in named:
+            raise SpecError(_message(spec, f"names two Lightning {kind}s ({named[kind].__name__}, {attr}); "
+                                           "expected one LightningModule and at most one LightningDataModule"))
+        if isinstance(value, type):
+            _needs_no_arguments(spec, attr, value)
+        named[kind] = value
+    if "factory" not in named and "module" not in named:
+        raise SpecError(_message(spec, f"names no LightningModule (only the datamodule {pieces[0]}); "
+                                       "name the module too: lightning:pkg.module:LitModule+" + pieces[0]))
+    label = "+".join(piece.rpartition(":")[2] for piece in pieces)
+    return _LightningFactory(LightningParts(spec=spec, label=label, module=named.get("module"),
+                                            datamodule=named.get("datamodule"), factory=named.get("factory")))
+
+
+def _lightning_factory(spec: str, attr: str, value: Any, parts: int) -> str:
+    """"factory" for a zero-argument callable named alone; one line for anything else."""
+    if isinstance(value, type):
+        raise SpecError(_message(spec, f"{attr} is a class but neither a LightningModule nor a LightningDataModule"))
+    if not callable(value):
+        raise SpecError(_message(spec, f"{attr} is a {type(value).__name__}, not a LightningModule, a "
+                                       "LightningDataModule or a factory"))
+    if parts > 1:
+        raise SpecError(_message(spec, f"{attr} is a factory, which names everything itself: name it alone "
+                                       f"(lightning:...:{attr})"))
+    _needs_no_arguments(spec, attr, value)
+    return "factory"
+
+
+def _needs_no_arguments(spec: str, attr: str, value: Any) -> None:
+    try:
+        inspect.signature(value).bind()
+    except TypeError:
+        raise SpecError(_message(spec, f"{attr} needs arguments; name a zero-argument factory that returns "
+                                       "(module, datamodule, trainer_kwargs) instead")) from None
+    except ValueError:
+        pass  # no signature to read: the call will tell
 
 
 def _as_factory(spec: str, value: Any) -> Factory:
     if isinstance(value, type):
         if issubclass(value, TrainerAdapter):
             return value
+        kind = _lightning_kind(value)
+        if kind:
+            shown = "a LightningModule" if kind == "module" else "a LightningDataModule"
+            raise SpecError(_message(spec, f"{value.__name__} is {shown}: check it with a lightning: SPEC, "
+                                           "lightning:pkg.module:LitModule[+pkg.module:LitDataModule]"))
         raise SpecError(_message(spec, f"{value.__name__} is a class but not a TrainerAdapter subclass "
                                        "(see docs/adapter.md)"))
     if isinstance(value, TrainerAdapter):

@@ -20,8 +20,9 @@ subclass overriding one of them: `make_sampler`, `set_epoch`, `make_model`, `los
 `wrap`, `after_backward`, `train_micro_batch`, `checkpoint_payload`, `model_state`,
 `load_model_state`, `load_checkpoint`.
 
-The dataset, model builder, resumable loader and RNG helpers live here too; the Lightning reference
-reuses them so both references train the same network on the same data.
+The dataset and model builder live here too, and the Lightning reference reuses them so both
+references train the same network on the same data; the resumable loader and the RNG helpers are the
+public ones in `ddp_conformance.resumable`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, d
 
 from ..adapter import FitObserver, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import ModelConfig, RunConfig
+from ..resumable import (  # noqa: F401  (gather_rng_states: re-exported for the Lightning reference)
+    ResumableDataLoader,
+    capture_rng_state,
+    gather_rng_states,
+    restore_rng_state,
+    rng_state_for_rank,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Data
@@ -68,48 +76,6 @@ class IndexedDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         return index, self.x[index], self.y[index]
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that can resume in the middle of an epoch.
-
-    `state_dict()` is `{"epoch", "position"}` (batches yielded in that epoch); after
-    `load_state_dict`, the next iteration *of that same epoch* skips what was already consumed.
-    Lightning (>= 2.2) saves and restores any train loader implementing this pair, which is how the
-    Lightning reference resumes its data position. The epoch is read from the sampler when the first
-    batch is requested (iteration is lazy), because Lightning calls `set_epoch` after `iter()`.
-    Skipped batches are fetched and discarded: cheap for in-memory data, and it consumes no global
-    RNG because the loader has its own generator (DataLoader draws a base seed per `iter()`).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pending: dict[str, int] | None = None
-        self._epoch = 0
-        self._position = 0
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        return self._resumable_iter()
-
-    def _resumable_iter(self) -> Iterator[Any]:
-        # an IterableDataset that shards itself keeps the epoch (its sampler is a placeholder)
-        epoch = int(getattr(self.sampler, "epoch", getattr(self.dataset, "epoch", 0)))
-        skip = 0
-        if self._pending is not None and self._pending.get("epoch") == epoch:
-            skip = int(self._pending.get("position", 0))
-        self._pending = None
-        self._epoch, self._position = epoch, 0
-        for index, batch in enumerate(super().__iter__()):
-            if index < skip:
-                continue
-            self._position = index + 1
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "position": self._position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._pending = dict(state)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,59 +130,6 @@ def split_batch(batch: Sequence[torch.Tensor], parts: int) -> list[list[torch.Te
         return [list(batch)]
     pieces = [torch.tensor_split(t, parts) for t in batch]
     return [[p[i] for p in pieces] for i in range(parts) if len(pieces[0][i])]
-
-
-# ---------------------------------------------------------------------------------------------------
-# RNG state, weights_only-safe (torch.load's default since 2.6 rejects numpy arrays)
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), numpy and python RNG states, as tensors/ints/tuples."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    random.setstate(_as_python_state(state["python"]))
-    numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
-                         numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_python_state(value: Any) -> Any:
-    """random.setstate needs tuples; a round trip through some serialisers gives lists."""
-    if isinstance(value, list):
-        return tuple(_as_python_state(v) for v in value)
-    return value
-
-
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (collective). Ranks can draw different random numbers
-    (per-rank seeds, uneven work), so rank 0's state alone would not resume rank 1 exactly."""
-    mine = capture_rng_state()
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [mine]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, mine)
-    return states
-
-
-def rng_state_for_rank(states: list[dict[str, Any]] | dict[str, Any], rank: int) -> dict[str, Any]:
-    """This rank's entry; exact only when resuming on the world size that saved it."""
-    if isinstance(states, dict):
-        return states
-    return states[rank] if rank < len(states) else states[0]
 
 
 def seed_all(seed: int) -> None:
@@ -293,7 +206,7 @@ class TorchTrainer(TrainerAdapter):
 
     def build_loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
         generator = torch.Generator().manual_seed(self.config.data.seed)
-        return ResumableLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
+        return ResumableDataLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
                                generator=generator)
 
     def set_epoch(self, loader: DataLoader, epoch: int) -> None:

@@ -169,11 +169,11 @@ def _torch_without_rng():
 
 
 def _lightning_without_rng():
-    from ddp_conformance.trainers.lightning_ref import LightningTrainer, Recorder
+    from ddp_conformance.trainers.lightning_ref import LightningTrainer
 
     class LightningWithoutRng(LightningTrainer):
-        def callbacks(self, observer):
-            return [Recorder(self, observer)]
+        def trainer_arguments(self):
+            return {}
 
     return LightningWithoutRng
 

@@ -114,7 +114,8 @@ def test_module_spec_and_factory(tmp_path, clean_imports):
 @pytest.mark.parametrize(
     ("spec", "reason"),
     [
-        ("tensorflow", "expected a built-in name (torch, lightning), package.module:Attr or path/to/file.py:Attr"),
+        ("tensorflow", "expected a built-in name (torch, lightning), package.module:Attr, path/to/file.py:Attr or "
+                       "lightning:pkg.module:LitModule"),
         ("mine.py", "expected a built-in name"),
         ("missing.py:Mine", "no such file: "),
         ("broken.py:Mine", "cannot import broken.py: SyntaxError: "),
@@ -155,3 +156,96 @@ def test_not_provided_is_the_default_for_everything_but_setup():
                          ("train_step", (None, None)), ("fit", (3,))]:
         with pytest.raises(NotProvided, match=f"does not provide {method}"):
             getattr(adapter, method)(*args)
+
+
+# --- lightning: SPECs: a LightningModule (+ LightningDataModule), or a factory, with no adapter -----
+
+LIGHTNING_CLASSES = """
+import lightning.pytorch as pl
+
+class LitModel(pl.LightningModule):
+    pass
+
+class OtherModel(pl.LightningModule):
+    pass
+
+class LitData(pl.LightningDataModule):
+    pass
+
+class NeedsArgs(pl.LightningModule):
+    def __init__(self, width):
+        super().__init__()
+
+class Plain:
+    pass
+
+def make():
+    return LitModel(), LitData(), {"gradient_clip_val": 1.0}
+
+def make_with(width):
+    return LitModel()
+
+number = 3
+"""
+
+
+@pytest.fixture
+def lightning_loaded():
+    """Lightning and torch imported before `clean_imports` takes its snapshot: torch's operator
+    libraries cannot be imported twice in one process."""
+    import ddp_conformance.trainers.lightning_adapter  # noqa: F401
+
+
+def test_lightning_specs_name_a_module_and_a_datamodule_or_a_factory(tmp_path, lightning_loaded, clean_imports):
+    from ddp_conformance.trainers.lightning_adapter import LightningAdapter
+
+    root = project(tmp_path, {"lit/model.py": LIGHTNING_CLASSES, "pkg_lit/__init__.py": "",
+                              "pkg_lit/parts.py": LIGHTNING_CLASSES})
+    both = resolve_spec("lightning:lit/model.py:LitModel+pkg_lit.parts:LitData", root)
+    adapter = both()
+    assert isinstance(adapter, LightningAdapter) and adapter.name == both.name == "LitModel+LitData"
+    assert adapter.parts.module.__name__ == "LitModel" and adapter.parts.datamodule.__name__ == "LitData"
+    swapped = resolve_spec("lightning:pkg_lit.parts:LitData+pkg_lit.parts:LitModel", root)()
+    assert (swapped.parts.module.__name__, swapped.parts.datamodule.__name__) == ("LitModel", "LitData")
+    alone = resolve_spec("lightning:pkg_lit.parts:LitModel", root)()
+    assert alone.parts.datamodule is None and alone.name == "LitModel"
+    built = resolve_spec("lightning:lit/model.py:make", root)().build()
+    assert type(built.module).__name__ == "LitModel" and built.trainer_kwargs == {"gradient_clip_val": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        ("lightning:", "expected lightning:pkg.module:LitModule[+pkg.module:LitDataModule] or "
+                       "lightning:path/to/file.py:factory"),
+        ("lightning:model.py", "expected lightning:pkg.module:LitModule"),
+        ("lightning:model.py:LitModel+model.py:LitData+model.py:OtherModel", "expected lightning:"),
+        ("lightning:model.py:LitModl", "model.py has no attribute 'LitModl' (Lightning classes there: LitData, "
+                                       "LitModel, NeedsArgs, OtherModel)"),
+        ("lightning:model.py:Plain", "Plain is a class but neither a LightningModule nor a LightningDataModule"),
+        ("lightning:model.py:number", "number is a int, not a LightningModule, a LightningDataModule or a factory"),
+        ("lightning:model.py:LitModel+model.py:OtherModel", "names two Lightning modules (LitModel, OtherModel)"),
+        ("lightning:model.py:LitData", "names no LightningModule (only the datamodule model.py:LitData)"),
+        ("lightning:model.py:make+model.py:LitData", "make is a factory, which names everything itself"),
+        ("lightning:model.py:NeedsArgs", "NeedsArgs needs arguments; name a zero-argument factory"),
+        ("lightning:model.py:make_with", "make_with needs arguments"),
+        ("lightning:missing.py:LitModel", "no such file: "),
+        ("model.py:LitModel", "LitModel is a LightningModule: check it with a lightning: SPEC"),
+    ],
+)
+def test_bad_lightning_specs_are_one_line_naming_the_spec(tmp_path, lightning_loaded, clean_imports, spec, reason):
+    root = project(tmp_path, {"model.py": LIGHTNING_CLASSES})
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(spec, root)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer SPEC {spec!r}: ")
+    assert reason in message
+
+
+def test_a_factory_that_returns_something_else_is_one_line(lightning_loaded):
+    from ddp_conformance.trainers.lightning_adapter import unpack
+
+    with pytest.raises(TypeError, match=r"^trainer SPEC 'lightning:x.py:make': the factory returned a tuple of int, "
+                                        r"str; expected a LightningModule, \(module, datamodule\) or"):
+        unpack((1, "a"), "lightning:x.py:make")

@@ -1,0 +1,116 @@
+"""The Lightning adapter's local pieces (no process group): what it keeps of a factory's Trainer
+arguments, the one-line conflict with the run config, batch splitting, and running a method as DDP's
+forward. Its behaviour in ranks is tested through the suite (tests/examples/test_lightning_module.py,
+and the Lightning reference, which is this adapter, in tests/trainers and tests/checks)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import replace
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from ddp_conformance.adapter import RankContext
+from ddp_conformance.config import RunConfig
+from ddp_conformance.lightning import RNGStateCallback
+from ddp_conformance.trainers.lightning_adapter import (
+    Built,
+    LightningAdapter,
+    call_as_forward,
+    split_batch,
+    step_loss,
+)
+from ddp_conformance.trainers.spec import LightningParts
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": self(batch["x"]).pow(2).mean()}
+
+
+def adapter(tmp_path: Path, kwargs: dict, config: RunConfig | None = None) -> tuple[LightningAdapter, Built]:
+    lit = LightningAdapter(LightningParts(spec="lightning:t.py:make", label="make", factory=lambda: Tiny()))
+    lit.setup(config or RunConfig(), RankContext(rank=0, local_rank=0, world_size=1, backend="gloo", device="cpu",
+                                                 workdir=tmp_path))
+    return lit, Built(Tiny(), None, kwargs)
+
+
+def test_a_factorys_trainer_arguments_are_kept_and_the_harness_decides_its_own(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    theirs = RNGStateCallback()
+    lit, built = adapter(tmp_path, {"gradient_clip_val": 0.5, "max_epochs": 10, "logger": True, "precision": 32,
+                                    "callbacks": [theirs, ModelCheckpoint(monitor="val_loss")]})
+    trainer = lit.make_trainer(built, [], max_steps=7)
+    assert trainer.gradient_clip_val == 0.5 and trainer.max_steps == 7 and trainer.max_epochs == -1
+    assert trainer.logger is None and not trainer.checkpoint_callbacks  # the harness checkpoints, nobody else
+    assert theirs in trainer.callbacks
+
+
+@pytest.mark.parametrize(("key", "value", "config"), [("precision", "bf16-mixed", "'32-true'"),
+                                                      ("accumulate_grad_batches", 4, "1")])
+def test_a_factory_that_contradicts_the_run_config_is_one_line(tmp_path, key, value, config):
+    lit, built = adapter(tmp_path, {key: value})
+    with pytest.raises(ValueError) as caught:
+        lit.make_trainer(built, [], max_steps=1)
+    assert str(caught.value) == (f"the trainer's arguments set {key}={value!r} but the run config says {config}: the "
+                                 f"checks judge with the config's, so set trainer.{key} in the --ddp-config file")
+
+
+def test_the_config_decides_precision_and_accumulation(tmp_path):
+    config = RunConfig()
+    config = replace(config, trainer=replace(config.trainer, accumulate_grad_batches=2))
+    lit, built = adapter(tmp_path, {"precision": "32", "accumulate_grad_batches": 2}, config)
+    assert lit.make_trainer(built, [], max_steps=1).accumulate_grad_batches == 2
+
+
+def test_batches_of_any_shape_split_into_micro_batches():
+    Pair = namedtuple("Pair", "x y")
+    batch = {"x": torch.arange(6.0).reshape(6, 1), "meta": "kept", "pair": Pair(torch.arange(6), torch.ones(6))}
+    parts = split_batch(batch, 3)
+    assert [p["x"].flatten().tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert all(p["meta"] == "kept" and isinstance(p["pair"], Pair) and len(p["pair"].y) == 2 for p in parts)
+    assert len(split_batch([torch.arange(2)], 4)) == 2  # empty micro-batches are dropped
+
+
+def test_a_method_runs_as_the_wrappers_forward_and_forward_is_restored():
+    module = Tiny()
+    calls = []
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            calls.append("wrapper")
+            return self.module(*args)
+
+    out = call_as_forward(Wrapper(), module, "training_step", {"x": torch.ones(2, 3)}, 0)
+    assert calls == ["wrapper"] and step_loss(out) is out["loss"]
+    assert "forward" not in vars(module) and module(torch.ones(1, 3)).shape == (1, 1)
+
+
+def test_a_step_that_needs_a_running_trainer_is_not_provided_rather_than_an_error(tmp_path):
+    from ddp_conformance.adapter import NotProvided
+
+    class UsesTrainer(Tiny):
+        def training_step(self, batch, batch_idx):
+            return self(batch["x"]).sum() * self.trainer.global_step
+
+    # the message the adapter recognises is Lightning's own: if a release rewords it, this fails loudly
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        UsesTrainer().trainer  # noqa: B018
+    lit, _ = adapter(tmp_path, {})
+    with pytest.raises(NotProvided, match=r"its training_step .* use self\.trainer, which exists only inside"):
+        lit.loss(UsesTrainer(), {"x": torch.ones(2, 3)})
