@@ -62,8 +62,7 @@ class ResumableDataLoader(DataLoader):
         return self._resumable_iter()
 
     def _resumable_iter(self) -> Iterator[Any]:
-        # an IterableDataset that shards itself keeps the epoch (its sampler is a placeholder)
-        epoch = int(getattr(self.sampler, "epoch", getattr(self.dataset, "epoch", self._epoch)))
+        epoch = self._current_epoch()
         skip = self._apply_pending(epoch)
         self._epoch, self._position = epoch, 0
         if self.generator is not None:
@@ -73,6 +72,17 @@ class ResumableDataLoader(DataLoader):
                 continue
             self._position = index + 1
             yield batch
+
+    def _current_epoch(self) -> int:
+        """The sampler's epoch (DistributedSampler.set_epoch), else the dataset's (an IterableDataset
+        that shards itself), else unknown: then a pending state is for the epoch about to start,
+        since nothing can say otherwise (a sampler without set_epoch resumes its position too)."""
+        for owner in (self.sampler, self.dataset):
+            if hasattr(owner, "epoch"):
+                return int(owner.epoch)
+        if self._pending is not None:
+            return int(self._pending.get("epoch", self._epoch))
+        return self._epoch
 
     def _apply_pending(self, epoch: int) -> int:
         """Restore the saved generator state; the number of batches of this epoch to skip."""

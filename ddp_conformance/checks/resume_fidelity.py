@@ -27,7 +27,7 @@ RNG a fresh fit starts with has re-seeded on start, which is named as such.
 
 Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
 with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
-named when present); scheduler; optimizer; and if only the trajectory differs, one more resume
+named when present); optimizer; scheduler; and if only the trajectory differs, one more resume
 with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored,
 otherwise the data position/order is not. When the checkpoint is Lightning's, those two verdicts
 name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
@@ -292,14 +292,15 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
             return (f"the model weights are not restored: the resumed trainer starts step {k + 1} with weights that "
                     f"differ from the checkpointed ones in {len(changed)} of {len(saved)} tensors "
                     f"(e.g. {changed[0]}){why}")
-    if "scheduler" in by_part:
-        d = by_part["scheduler"][0]
-        return f"the LR scheduler state is not restored: {head} ({d.describe()})"
     # optimizer *values* (moments) differ whenever the trajectory does; its step counts, missing
-    # entries or hyperparameters differ only when its state was not restored
+    # entries or hyperparameters differ only when its state was not restored. Before the scheduler:
+    # a lost optimizer also loses the learning rate a restored scheduler then steps from
     lost = [d for d in by_part.get("optimizer", []) if d.key.endswith(".step") or d.delta is None]
     if lost:
         return f"the optimizer state is not restored: {head} ({lost[0].describe()})"
+    if "scheduler" in by_part:
+        d = by_part["scheduler"][0]
+        return f"the LR scheduler state is not restored: {head} ({d.describe()})"
     return ""
 
 

@@ -114,8 +114,8 @@ def test_training_that_changes_nothing_is_named_by_what_was_observed():
     assert vacuity_verdict([rank(), rank()], "fit(4)") == ""
     assert vacuity_verdict([None, None], "fit(4)") == ""  # nothing observed: no claim
     zero = vacuity_verdict([rank(nonzero=0, losses=[0.0] * 4), rank(nonzero=0, losses=[0.0] * 4)], "fit(4)")
-    assert zero.startswith("training does not change the model: every gradient is exactly zero after each of the 8 "
-                           "backward passes of fit(4) on 2 ranks; every loss was exactly 0")
+    assert zero.startswith("training does not change the model: every gradient is exactly zero at each of the 8 "
+                           "optimizer steps of fit(4) on 2 ranks; every loss was exactly 0")
     # one rank with one nonzero gradient is training: no claim about "every gradient"
     assert "every gradient" not in vacuity_verdict([rank(nonzero=0), rank(nonzero=1)], "fit(4)")
     # gradients never seen (set to None before after_step): the parameters decide

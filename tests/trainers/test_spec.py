@@ -153,9 +153,12 @@ def test_not_provided_is_the_default_for_everything_but_setup():
         adapter.resume(None, 3)  # type: ignore[arg-type]
     for method, args in [("make_dataset", ()), ("make_model", ()), ("batch_indices", (None,)),
                          ("collate", ([],)), ("loss", (None, None)), ("wrap", (None,)),
-                         ("train_step", (None, None)), ("fit", (3,))]:
+                         ("fit", (3,))]:
         with pytest.raises(NotProvided, match=f"does not provide {method}"):
             getattr(adapter, method)(*args)
+    # train_step defaults to loss(model, batch).backward(): without a loss it names the loss
+    with pytest.raises(NotProvided, match="does not provide loss"):
+        adapter.train_step(None, None)
 
 
 # --- lightning: SPECs: a LightningModule (+ LightningDataModule), or a factory, with no adapter -----
