@@ -21,6 +21,7 @@ import time
 import types
 from typing import Any
 
+from .builtin_fixtures import StandIn
 from .context import DdpContext, DdpPlan
 from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
 
@@ -273,18 +274,15 @@ _pool_environ: PoolEnviron | None = None
 
 
 def _call(func: Any, kwargs: dict[str, Any], ctx: DdpContext) -> None:
-    """Call the test with this rank's values: its DdpContext for the plan."""
-    import pytest
-
-    for name, value in kwargs.items():
-        if isinstance(value, DdpPlan):
-            kwargs[name] = ctx
-    try:
+    """Call the test with this rank's values: its DdpContext for the plan, and the rank's own
+    built-in fixtures (capsys, caplog...) for their stand-ins, torn down right after the call."""
+    with contextlib.ExitStack() as stack:
+        for name, value in kwargs.items():
+            if isinstance(value, DdpPlan):
+                kwargs[name] = ctx
+            elif isinstance(value, StandIn):
+                kwargs[name] = value.materialize(stack)
         func(**kwargs)
-    finally:
-        for value in kwargs.values():
-            if isinstance(value, pytest.MonkeyPatch):
-                value.undo()  # the rank's copy: its patches must not outlive the test here either
 
 
 def run_task(task: Task) -> RankReply:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
+from .builtin_fixtures import parent_stand_in, unpicklable_message
 from .context import DdpPlan
 from .messages import FAILED, Task
 from .options import Settings
@@ -173,7 +174,11 @@ class DistributedSession:
 
 def make_task(item: pytest.Function) -> Task:
     """The test reference sent to the ranks: module, qualified name and the fixture values."""
-    args: dict[str, Any] = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    args: dict[str, Any] = {}
+    for name in item._fixtureinfo.argnames:
+        value = item.funcargs[name]
+        stand_in = parent_stand_in(name, value, item)
+        args[name] = value if stand_in is None else stand_in
     funcargs = _pickled_funcargs(args)
     module = item.module
     assert module is not None and module.__file__ is not None
@@ -215,10 +220,7 @@ def _pickled_funcargs(args: dict[str, Any]) -> bytes:
         try:
             pickle.dumps(value)
         except Exception as exc:
-            raise UnpicklableFixture(
-                f"fixture {name!r} cannot be sent to the ranks: {type(value).__name__} is not picklable "
-                f"({type(exc).__name__}: {exc}); return a picklable value or build it inside the test"
-            ) from None
+            raise UnpicklableFixture(unpicklable_message(name, value, exc)) from None
     return pickle.dumps(args)  # each pickles alone: raise what pickling them together raised
 
 
