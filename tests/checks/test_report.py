@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((Path(__file__).parent / "data" / "report_ws4.json").read_text())
 MUTANT = ROOT / "fixtures" / "mutants" / "no_set_epoch.py"
 
+# one xdist worker runs these, so the real run (a module fixture) happens once
+pytestmark = pytest.mark.xdist_group("report")
+
 
 def assert_fits_and_nothing_is_cut(doc: dict[str, Any], lines: list[str], width: int = MATRIX_WIDTH) -> None:
     """Every line within `width`; every figure of every cell whole on some line; every failure's
