@@ -101,8 +101,13 @@ class RankReply:
     sequence: int | None = None
 
 
+def encode(message: object) -> bytes:
+    """A message as it crosses a pipe; a pool pickles a task once and sends the bytes to every rank."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def send(conn: Connection, message: object) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(encode(message))
 
 
 def receive(conn: Connection) -> Any:

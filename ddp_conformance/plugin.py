@@ -26,6 +26,7 @@ TERM_KEY = pytest.StashKey[Any]()
 SETTINGS_KEY = pytest.StashKey[options.Settings]()
 PLAN_KEY = pytest.StashKey[DdpPlan]()
 DISPATCH_KEY = pytest.StashKey["Dispatch"]()
+SHAPE_KEY = pytest.StashKey[tuple[int | None, float]]()
 
 MARKER_HELP = (
     "ddp(world_size=None, timeout=None): run the test body on every rank of an initialised process "
@@ -142,13 +143,30 @@ def _marker_timeout(marker: pytest.Mark, where: str) -> float | None:
     return float(value)
 
 
+def _shape(item: pytest.Item) -> tuple[int | None, float]:
+    """(world size, None when unmarked; timeout) of a test, read from its markers once: a marker
+    lookup walks the node chain, and a warm distributed test is only a few milliseconds."""
+    shape = item.stash.get(SHAPE_KEY, None)
+    if shape is None:
+        shape = item.stash[SHAPE_KEY] = (_read_world_size(item), _read_timeout(item))
+    return shape
+
+
 def _test_timeout(item: pytest.Item) -> float:
+    return _shape(item)[1]
+
+
+def _plan_world_size(item: pytest.Item) -> int | None:
+    return _shape(item)[0]
+
+
+def _read_timeout(item: pytest.Item) -> float:
     marker = item.get_closest_marker("ddp")
     own = _marker_timeout(marker, item.nodeid) if marker is not None else None
     return own or item.config.stash[SETTINGS_KEY].timeout
 
 
-def _plan_world_size(item: pytest.Item) -> int | None:
+def _read_world_size(item: pytest.Item) -> int | None:
     marker = item.get_closest_marker("ddp")
     if marker is None:
         return None
@@ -181,9 +199,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 # -- running -----------------------------------------------------------------------------------
+# The item pytest is setting up or running, for the `ddp` fixture: a fixture that asks for `request`
+# makes pytest 9 build a FixtureDef and inspect a signature per test, ~0.4 ms, which is most of
+# what a warm distributed test may cost. pytest runs one item at a time per process (xdist: per worker).
+_current_item: list[pytest.Item] = []
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Decide the backend, and any skip that can be known here, before fixtures run or ranks spawn."""
+    _current_item[:] = [item]
     marker = item.get_closest_marker("ddp")
     if marker is None:
         return
@@ -218,19 +243,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.fixture
-def ddp(request: pytest.FixtureRequest) -> Any:
+def ddp() -> Any:
     """The rank context of a distributed test (rank, local_rank, world_size, backend, device).
 
     In the parent this is the plan; on each rank the test receives its own `DdpContext`."""
-    launched = request.config.stash.get(EXTERNAL_KEY, None)
-    if launched is not None and request.node.get_closest_marker("ddp") is not None:
+    if not _current_item:
+        pytest.fail("the ddp fixture belongs to a test marked @pytest.mark.ddp", pytrace=False)
+    item = _current_item[0]
+    launched = item.config.stash.get(EXTERNAL_KEY, None)
+    if launched is not None and item.get_closest_marker("ddp") is not None:
         context = launched.context()
-        request.node.stash[external.CONTEXT_KEY] = context  # its figures become the test's properties
+        item.stash[external.CONTEXT_KEY] = context  # its figures become the test's properties
         return context
-    plan = request.node.stash.get(PLAN_KEY, None)
+    plan = item.stash.get(PLAN_KEY, None)
     if plan is None:
-        pytest.fail(f"{request.node.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp",
-                    pytrace=False)
+        pytest.fail(f"{item.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp", pytrace=False)
     return plan
 
 
@@ -267,7 +294,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _current_item.clear()
     if EXTERNAL_KEY in item.config.stash and item.get_closest_marker("ddp") is not None:
         external.ExternalRanks.disarm_watchdog()
 

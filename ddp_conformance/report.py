@@ -6,22 +6,31 @@ properties are rank 0's `ddp.figures` (which the plugin also writes to JUnit XML
 items, are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the
 controller, which alone prints the matrix and writes the JSON. No torch, no checks imported here.
 
-JSON shape: {"world_size": N, "backend": "...", "results": [{"trainer", "check", "outcome":
-"passed|failed|skipped", "figures": {...}, "message": "..."}]}. `message` is the check's full
+JSON shape: {"schema_version": 1, "world_size": N, "backend": "...", "results": [{"trainer", "check",
+"outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]}, described field by field by
+the JSON Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full
 verdict on failure (the headline pytest shows is clipped), the reason on skip, "" on pass.
+
+With pytest-html installed and `--html` given, each conformance test's row carries its figures and
+verdict (`pytest_html.extras`); without it nothing here touches pytest-html.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 TRAINER_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_check"
-CELL_WIDTH = 30
+SCHEMA_VERSION = 1  # of report.schema.json: raised when a field is removed, renamed or changes meaning
+MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
+TRAINER_WIDTH = 24  # longer trainer labels wrap inside their column
+GAP = 2
+MIN_COLUMN = 10  # a column is at least this wide (and its longest word); if they cannot fit: a list
 
 
 def _jsonable(value: Any) -> Any:
@@ -83,7 +92,7 @@ class ConformanceReport:
 
         results = sorted(self.results, key=order)
         shaped = next((r["figures"] for r in results if "world_size" in r["figures"]), {})
-        return {"world_size": shaped.get("world_size", settings.world_size),
+        return {"schema_version": SCHEMA_VERSION, "world_size": shaped.get("world_size", settings.world_size),
                 "backend": shaped.get("backend", settings.backend), "results": results}
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -106,6 +115,50 @@ class ConformanceReport:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(ConformanceReport(config), "ddp-conformance-report")
+    if config.getoption("htmlpath", None) and _pytest_html() is not None:
+        config.pluginmanager.register(HtmlExtras(), "ddp-conformance-html")
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the `--ddp-report` document (shipped with the package)."""
+    return json.loads((Path(__file__).with_name("report.schema.json")).read_text(encoding="utf-8"))
+
+
+def _pytest_html() -> Any:
+    try:
+        import pytest_html
+    except ImportError:
+        return None
+    return pytest_html
+
+
+class HtmlExtras:
+    """Registered only when pytest-html is installed and writing a report: puts each conformance
+    test's verdict and figures on its row, through pytest-html's documented `report.extras`."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        properties = dict(report.user_properties)
+        if CHECK_PROPERTY in properties and (report.when == "call" or (report.when == "setup" and report.failed)):
+            extras = _pytest_html().extras
+            trainer, check = properties.pop(TRAINER_PROPERTY), properties.pop(CHECK_PROPERTY)
+            figures = _jsonable(properties)
+            report.extras = [*getattr(report, "extras", []), extras.html(_html_figures(trainer, check, figures)),
+                             extras.json(figures, name="figures")]
+        return report
+
+
+def _html_figures(trainer: str, check: str, figures: dict[str, Any]) -> str:
+    """The verdict (if any) over a table of every figure, for the report row."""
+    from html import escape
+
+    rows = "".join(f"<tr><td>{escape(str(key))}</td><td>{escape(json.dumps(value))}</td></tr>"
+                   for key, value in figures.items() if key != "verdict")
+    verdict = figures.get("verdict")
+    head = f"<p><b>verdict:</b> {escape(str(verdict))}</p>" if verdict else ""
+    return (f'<div class="ddp-conformance"><p>{escape(_label(trainer))} / {escape(check)}</p>{head}'
+            f"<table>{rows}</table></div>")
 
 
 def _label(spec: str) -> str:
@@ -114,36 +167,107 @@ def _label(spec: str) -> str:
     return trainer_label(spec)
 
 
-def _cell(result: dict[str, Any]) -> str:
-    outcome = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}.get(result["outcome"], result["outcome"])
+OUTCOME_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
+
+
+def _words(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width`, broken only between words: a figure is never cut."""
+    return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def _header(check: str, width: int) -> list[str]:
+    """A check id over as many lines as it needs, broken after its underscores."""
+    pieces = [piece + "_" for piece in check.split("_")]
+    pieces[-1] = pieces[-1][:-1]
+    lines = [""]
+    for piece in pieces:
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return lines
+
+
+def _cell_text(result: dict[str, Any] | None, note: int | None) -> tuple[str, str]:
+    """(outcome, with the number of its note below the matrix; the key figure) of one cell."""
+    if result is None:
+        return "-", ""
+    head = OUTCOME_WORDS.get(result["outcome"], result["outcome"]) + (f" [{note}]" if note else "")
     summary = str(result["figures"].get("summary", ""))  # a skip's too, when it measured something
-    text = f"{outcome} {summary}".strip()
-    return text if len(text) <= CELL_WIDTH else text[:CELL_WIDTH - 3] + "..."
+    return head, summary
 
 
-def matrix_lines(doc: dict[str, Any]) -> list[str]:
-    """The trainer x check matrix, then one line per failure or skip with its message."""
+def _cell(text: tuple[str, str], width: int) -> list[str]:
+    head, summary = text
+    return [head, *(_words(summary, width) if summary else [])]
+
+
+def _widths(texts: list[list[tuple[str, str]]], checks: list[str], room: int) -> list[int] | None:
+    """Column widths within `room`: each at least its longest word (so nothing is cut), the rest
+    shared in proportion to what each column would need to fit on one line; None if impossible."""
+    least, most = [], []
+    for check, column in zip(checks, texts, strict=True):
+        words = [w for head, summary in column for w in (head, *summary.split())]
+        least.append(max(MIN_COLUMN, *(len(w) for w in words), *(len(p) + 1 for p in check.split("_"))))
+        most.append(max(len(check), *(max(len(head), len(summary)) for head, summary in column)))
+    spare = room - sum(least)
+    if spare < 0:
+        return None
+    wants = [max(m - low, 0) for m, low in zip(most, least, strict=True)]
+    total = sum(wants) or 1
+    widths = [low + min(want, spare * want // total) for low, want in zip(least, wants, strict=True)]
+    return widths
+
+
+def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
+    """The trainer x check matrix in `width` columns, each cell its outcome over its key figure (wrapped,
+    never cut), then every failure's verdict and every skip's reason in full, numbered as in the cells.
+    Where even wrapped cells cannot fit, one line per trainer and check instead."""
     results = doc["results"]
-    checks: list[str] = []
-    trainers: list[str] = []
-    for r in results:
-        if r["check"] not in checks:
-            checks.append(r["check"])
-        if r["trainer"] not in trainers:
-            trainers.append(r["trainer"])
+    checks = list(dict.fromkeys(r["check"] for r in results))
+    trainers = list(dict.fromkeys(r["trainer"] for r in results))
     cells = {(r["trainer"], r["check"]): r for r in results}
-    width = max([len("trainer"), *(len(_label(t)) for t in trainers)])
-    widths = [max(len(c), CELL_WIDTH) for c in checks]
-    lines = ["  ".join(["trainer".ljust(width), *(c.ljust(w) for c, w in zip(checks, widths, strict=True))])]
-    for trainer in trainers:
-        row = [_label(trainer).ljust(width)]
-        for check, w in zip(checks, widths, strict=True):
-            result = cells.get((trainer, check))
-            row.append((_cell(result) if result else "-").ljust(w))
-        lines.append("  ".join(row).rstrip())
-    notes = [r for r in results if r["outcome"] != "passed"]
-    if notes:
+    numbered = [r for r in results if r["outcome"] != "passed"]
+    notes = {(r["trainer"], r["check"]): n for n, r in enumerate(numbered, start=1)}
+    texts = {(t, c): _cell_text(cells.get((t, c)), notes.get((t, c))) for t in trainers for c in checks}
+    label_width = min(max([len("trainer"), *(len(_label(t)) for t in trainers)]), TRAINER_WIDTH)
+    widths = _widths([[texts[(t, c)] for t in trainers] for c in checks], checks,
+                     width - label_width - GAP * len(checks))
+    if widths is None:
+        lines = _listed(trainers, checks, texts, width)
+    else:
+        lines = _rows(["trainer"], [_header(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths)
+        for trainer in trainers:
+            label = textwrap.wrap(_label(trainer), label_width, break_on_hyphens=False) or [""]
+            grid = [_cell(texts[(trainer, c)], w) for c, w in zip(checks, widths, strict=True)]
+            row = _rows(label, grid, label_width, widths)
+            lines += ([""] if len(row) > 1 else []) + row  # tall rows apart, so a cell's lines stay together
+    if numbered:
         lines.append("")
-    for r in notes:
-        lines.append(f"{_label(r['trainer'])} / {r['check']} {r['outcome']}: {r['message']}")
+    for n, r in enumerate(numbered, start=1):
+        lines += textwrap.wrap(f"[{n}] {_label(r['trainer'])} / {r['check']} {r['outcome']}: {r['message']}", width,
+                               subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
+def _rows(label: list[str], cells: list[list[str]], label_width: int, widths: list[int]) -> list[str]:
+    """One matrix row over as many lines as its tallest cell."""
+    height = max(len(label), *(len(cell) for cell in cells))
+    lines = []
+    for i in range(height):
+        parts = [(label[i] if i < len(label) else "").ljust(label_width)]
+        parts += [(cell[i] if i < len(cell) else "").ljust(w) for cell, w in zip(cells, widths, strict=True)]
+        lines.append((" " * GAP).join(parts).rstrip())
+    return lines
+
+
+def _listed(trainers: list[str], checks: list[str], texts: dict[tuple[str, str], tuple[str, str]],
+            width: int) -> list[str]:
+    """The matrix for a narrow terminal: a line per trainer and check."""
+    lines = []
+    for trainer in trainers:
+        lines.append(_label(trainer))
+        for check in checks:
+            cell = " ".join(part for part in texts[(trainer, check)] if part)
+            lines += textwrap.wrap(f"{check}: {cell}", width, initial_indent="  ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False)
     return lines

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
+from .builtin_fixtures import parent_stand_in, unpicklable_message
 from .context import DdpPlan
 from .introspection import conftests_of, recipe_of
 from .messages import FAILED, Task
@@ -174,15 +175,12 @@ class DistributedSession:
 
 def make_task(item: pytest.Function) -> Task:
     """The test reference sent to the ranks: module, qualified name and the fixture values."""
-    args: dict[str, Any] = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
-    for name, value in args.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise UnpicklableFixture(
-                f"fixture {name!r} cannot be sent to the ranks: {type(value).__name__} is not picklable "
-                f"({type(exc).__name__}: {exc}); return a picklable value or build it inside the test"
-            ) from None
+    args: dict[str, Any] = {}
+    for name in item._fixtureinfo.argnames:
+        value = item.funcargs[name]
+        stand_in = parent_stand_in(name, value, item)
+        args[name] = value if stand_in is None else stand_in
+    funcargs = _pickled_funcargs(args)
     module = item.module
     assert module is not None and module.__file__ is not None
     qualname = item.originalname
@@ -203,7 +201,7 @@ def make_task(item: pytest.Function) -> Task:
         module_path=module.__file__,
         module_name=module.__name__,
         qualname=qualname,
-        funcargs=pickle.dumps(args),
+        funcargs=funcargs,
         sys_path=list(sys.path),
         cwd=os.getcwd(),
         tbstyle="long" if tbstyle == "auto" else tbstyle,
@@ -214,15 +212,70 @@ def make_task(item: pytest.Function) -> Task:
     )
 
 
-def _local_modules(root: Path) -> dict[str, tuple[str, bool]]:
-    """The user's modules (under rootdir, not installed packages) the parent imported, by name."""
-    found: dict[str, tuple[str, bool]] = {}
-    prefix = str(root) + os.sep
-    for name, module in list(sys.modules.items()):
+def _pickled_funcargs(args: dict[str, Any]) -> bytes:
+    """The fixture values as one pickle; when that fails, the fixture at fault is named."""
+    try:
+        return pickle.dumps(args)
+    except Exception:
+        pass
+    for name, value in args.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            raise UnpicklableFixture(unpicklable_message(name, value, exc)) from None
+    return pickle.dumps(args)  # each pickles alone: raise what pickling them together raised
+
+
+class _LocalModuleIndex:
+    """The user's modules (under rootdir, not installed packages) the parent imported, by name.
+
+    Asked once per distributed test. A scan of every module in `sys.modules` cost ~3 ms a test,
+    and even comparing `sys.modules` with a copy cost 0.2 ms (thousands of module objects out of
+    cache), so the answer is kept while `sys.modules` keeps its size and its newest entry: an import
+    adds at the end, a removal shrinks it. (A module replaced in place under an older name is not
+    seen; pytest's importers never do that.) A rescan looks again only at new module objects."""
+
+    def __init__(self) -> None:
+        self._signature: tuple[int, str, int] | None = None
+        self._entries: dict[str, tuple[object, tuple[str, bool] | None]] = {}
+        self._found: dict[Path, dict[str, tuple[str, bool]]] = {}
+
+    @staticmethod
+    def _current() -> tuple[int, str, int]:
+        newest = next(reversed(sys.modules), "")
+        return len(sys.modules), newest, id(sys.modules.get(newest))
+
+    def __call__(self, root: Path) -> dict[str, tuple[str, bool]]:
+        signature = self._current()
+        if signature != self._signature:
+            self._rescan()
+            self._signature = signature
+        if root not in self._found:
+            prefix = str(root) + os.sep
+            self._found[root] = {name: entry for name, (_, entry) in self._entries.items()
+                                 if entry is not None and entry[0].startswith(prefix)}
+        return self._found[root]
+
+    def _rescan(self) -> None:
+        previous, self._entries = self._entries, {}
+        for name, module in list(sys.modules.items()):
+            known = previous.get(name)
+            same = known is not None and known[0] is module
+            self._entries[name] = known if same else (module, self._entry(name, module))  # type: ignore[assignment]
+        self._found = {}
+
+    @staticmethod
+    def _entry(name: str, module: object) -> tuple[str, bool] | None:
+        """(file, asserts rewritten) of a module that may be the user's; None for the rest."""
         file = getattr(module, "__file__", None)
-        if not file or not file.startswith(prefix) or not file.endswith(".py") or "site-packages" in file:
-            continue
+        if not isinstance(file, str) or not file.endswith(".py") or "site-packages" in file:
+            return None
         if name == "ddp_conformance" or name.startswith("ddp_conformance."):
-            continue  # the plugin itself imports normally
-        found[name] = (file, "@py_builtins" in vars(module))
-    return found
+            return None  # the plugin itself imports normally
+        try:
+            return file, "@py_builtins" in vars(module)
+        except TypeError:  # an object without __dict__ standing in sys.modules
+            return None
+
+
+_local_modules = _LocalModuleIndex()

@@ -9,7 +9,9 @@ deleted only after every rank is dead (deleting it under a live group hangs it, 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import shutil
 import signal
 import socket
@@ -18,13 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Protocol
 
-from .messages import Hello, RankReply, Ready, Stop, Task, receive, send
+from .messages import Hello, RankReply, Ready, Stop, Task, encode, receive, send
 from .zygote import ForkedRank, Zygote
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -62,6 +64,7 @@ class RankProcess:
     sentinel: int | None
     conn: Connection | None = None  # set when the rank says hello on the pool's socket
     log_offset: int = 0
+    log_fd: int | None = None  # kept open: reopening four logs per test cost more than the test
 
     @property
     def alive(self) -> bool:
@@ -79,29 +82,45 @@ class RankProcess:
             return f"killed by {name} ({-code})"
         return f"exit code {code}"
 
+    def _log(self) -> int | None:
+        if self.log_fd is None:
+            with contextlib.suppress(OSError):
+                self.log_fd = os.open(self.log_path, os.O_RDONLY)
+        return self.log_fd
+
     def output_since(self, offset: int) -> str:
-        """What the rank printed from `offset` on; beyond OUTPUT_READ_BYTES only its first and last
-        OUTPUT_KEEP_BYTES are read (the report keeps a head and a tail of it anyway)."""
-        try:
-            with open(self.log_path, "rb") as handle:
-                size = handle.seek(0, os.SEEK_END)
-                handle.seek(offset)
-                if size - offset <= OUTPUT_READ_BYTES:
-                    return handle.read().decode("utf-8", "replace")
-                head = handle.read(OUTPUT_KEEP_BYTES)
-                handle.seek(size - OUTPUT_KEEP_BYTES)
-                tail = handle.read()
-        except OSError:
-            return ""
+        """What the rank printed from `offset` on, read through the log kept open; beyond
+        OUTPUT_READ_BYTES only its first and last OUTPUT_KEEP_BYTES (the report keeps a head and a
+        tail of it anyway)."""
+        fd, size = self._log(), self.log_size()
+        if size - offset <= OUTPUT_READ_BYTES:
+            return self._read(fd, offset, size).decode("utf-8", "replace")
+        head = self._read(fd, offset, offset + OUTPUT_KEEP_BYTES)
+        tail = self._read(fd, size - OUTPUT_KEEP_BYTES, size)
         cut = size - offset - 2 * OUTPUT_KEEP_BYTES
-        return (f"{head.decode('utf-8', 'replace')}\n... {cut} bytes cut ...\n"
-                f"{tail.decode('utf-8', 'replace')}")
+        return f"{head.decode('utf-8', 'replace')}\n... {cut} bytes cut ...\n{tail.decode('utf-8', 'replace')}"
+
+    @staticmethod
+    def _read(fd: int | None, start: int, end: int) -> bytes:
+        chunks: list[bytes] = []
+        with contextlib.suppress(OSError):
+            while fd is not None and start < end and (chunk := os.pread(fd, end - start, start)):
+                chunks.append(chunk)
+                start += len(chunk)
+        return b"".join(chunks)
 
     def log_size(self) -> int:
+        fd = self._log()
         try:
-            return self.log_path.stat().st_size
+            return os.fstat(fd).st_size if fd is not None else 0
         except OSError:
             return 0
+
+    def close_log(self) -> None:
+        if self.log_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.log_fd)
+            self.log_fd = None
 
 
 @dataclass
@@ -135,6 +154,41 @@ class PoolRun:
             return True
         sequences = {reply.sequence for reply in self.replies.values()}
         return len(sequences) > 1
+
+
+class _Watch:
+    """One poll set over the ranks' channels (an answer) and pidfds (an exit) for one task: built
+    once per test, where `multiprocessing.connection.wait` builds a selector per wake-up."""
+
+    def __init__(self, procs: Iterable[RankProcess], channels: bool = True) -> None:
+        self._poll = select.poll()
+        self._owner: dict[int, tuple[int, bool]] = {}  # fd -> (rank, is its pidfd)
+        for proc in procs:
+            if channels and proc.conn is not None:
+                self._add(proc.conn.fileno(), proc.rank, False)
+            if proc.sentinel is not None:
+                self._add(proc.sentinel, proc.rank, True)
+
+    def _add(self, fd: int, rank: int, is_pidfd: bool) -> None:
+        self._poll.register(fd, select.POLLIN)
+        self._owner[fd] = (rank, is_pidfd)
+
+    def wait(self, timeout: float) -> tuple[set[int], set[int]]:
+        """(ranks with something to read, ranks that exited), after at most `timeout` seconds."""
+        readable: set[int] = set()
+        ended: set[int] = set()
+        for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000))):
+            rank, is_pidfd = self._owner[fd]
+            (ended if is_pidfd else readable).add(rank)
+        return readable, ended
+
+    def forget(self, proc: RankProcess) -> None:
+        for fd in [fd for fd, (rank, _) in self._owner.items() if rank == proc.rank]:
+            self._poll.unregister(fd)
+            del self._owner[fd]
+
+    def close(self) -> None:
+        self._owner.clear()
 
 
 def loopback_interface() -> str | None:
@@ -359,12 +413,14 @@ class RankPool:
         began = time.monotonic()
         deadline = began + timeout
         run = PoolRun()
+        payload = encode(task)  # once for all ranks
         for proc in self.ranks:
             proc.log_offset = proc.log_size()
         for proc in self.ranks:
             with contextlib.suppress(OSError):  # a dead rank's end is collected below
-                send(self._channel(proc), task)
+                self._channel(proc).send_bytes(payload)
         pending = {proc.rank: proc for proc in self.ranks}
+        watch = _Watch(pending.values())
         first_failure: float | None = None
         while pending:
             now = time.monotonic()
@@ -373,14 +429,9 @@ class RankPool:
                 run.timed_out = now >= deadline
                 self._collect_stuck(run, pending, timeout, first_failure is not None)
                 break
-            watch: list[object] = []
-            for proc in pending.values():
-                watch.append(self._channel(proc))
-                if proc.sentinel is not None:
-                    watch.append(proc.sentinel)
-            ready = set(map(id, wait(watch, timeout=min(limit - now, 0.2))))
+            readable, ended = watch.wait(min(limit - now, 0.2))
             for rank, proc in list(pending.items()):
-                if id(proc.conn) in ready:
+                if rank in readable:
                     try:
                         reply = receive(self._channel(proc))
                     except (EOFError, OSError):
@@ -389,16 +440,19 @@ class RankPool:
                         run.replies[rank] = reply
                         run.arrival.append(rank)
                         del pending[rank]
+                        watch.forget(proc)
                         if reply.outcome == "failed" and first_failure is None:
                             first_failure = time.monotonic()
                         continue
-                if not proc.alive or (proc.sentinel is not None and id(proc.sentinel) in ready):
+                if rank in ended or ((proc.sentinel is None or rank in readable) and not proc.alive):
                     proc.popen.wait()
                     run.ends[rank] = RankEnd(rank, "crashed", proc.exit_description())
                     run.arrival.append(rank)
                     del pending[rank]
+                    watch.forget(proc)
                     if first_failure is None:
                         first_failure = time.monotonic()
+        watch.close()
         run.duration = time.monotonic() - began
         for proc in self.ranks:
             run.output[proc.rank] = proc.output_since(proc.log_offset)
@@ -423,7 +477,18 @@ class RankPool:
             run.ends[rank] = RankEnd(rank, "hung", detail, stacks.get(rank, ""))
 
     def dead_ranks(self) -> list[str]:
-        """Ranks that died since their last answer (a thread a test left behind, an OOM kill...)."""
+        """Ranks that died since their last answer (a thread a test left behind, an OOM kill...).
+        Asked before every test, so the ranks' pidfds are polled at once, without a round trip to
+        the zygote per rank."""
+        if all(proc.sentinel is not None for proc in self.ranks):
+            watch = _Watch(self.ranks, channels=False)
+            _, ended = watch.wait(0)
+            watch.close()
+            for proc in self.ranks:
+                if proc.rank in ended:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.popen.wait(timeout=1)  # exited: let the zygote reap it and say how
+            return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if proc.rank in ended]
         return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if not proc.alive]
 
     def dump_stacks(self, ranks: list[int], settle: float = 0.5) -> dict[int, str]:
@@ -479,6 +544,7 @@ class RankPool:
                 with contextlib.suppress(OSError):
                     os.close(proc.sentinel)
                 proc.sentinel = None
+            proc.close_log()
         self.ranks = []
         self._close_listener()
         if self.workdir is not None:

@@ -8,6 +8,7 @@ failed is still reported.
 from __future__ import annotations
 
 import contextlib
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -126,7 +127,8 @@ class CheckContext:
         """Record the verdict with the figures and return the exception to raise."""
         self.figures.update(figures)
         self.figures["verdict"] = message
-        self.figures.setdefault("summary", message.split(":", 1)[0][:40])
+        # the report's cell: the verdict's first clause, shortened at a word (never inside a figure)
+        self.figures.setdefault("summary", textwrap.shorten(message.split(":", 1)[0], 40, placeholder="..."))
         self.finish({})
         return CheckFailed(message)
 

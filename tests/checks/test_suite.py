@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 
 from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.report import schema
+from tests.checks.test_report import assert_fits_and_nothing_is_cut
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
@@ -123,13 +125,22 @@ def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -
     assert (doc["world_size"], doc["backend"]) == (2, "gloo")
     assert len(doc["results"]) == len(SPECS) * len(CHECK_IDS)
     assert set(doc["results"][0]) == {"trainer", "check", "outcome", "figures", "message"}
+    assert doc["schema_version"] == 1
     # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)
     assert '<property name="saved_pct_of_grad_bytes"' in session["junit"]
     assert '<property name="max_rel_delta"' in session["junit"]
     assert "ddp conformance (world size 2, gloo)" in out
-    header = next(line for line in out.splitlines() if line.startswith("trainer "))
-    assert header.split() == ["trainer", *CHECK_IDS]
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "ddp conformance (world size 2, gloo)" in line)
+    end = next(i for i, line in enumerate(lines) if i > start and line.startswith("====="))
+    assert lines[start + 1].startswith("trainer ")
+    assert_fits_and_nothing_is_cut(doc, lines[start + 1:end])  # 18 trainers, 120 columns, verdicts in full
     assert "test_conformance[no_set_epoch-sampler_disjointness]" in out  # ids name trainer and check
+
+
+def test_the_real_report_follows_its_schema(session: dict[str, Any]) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
+    jsonschema.validate(session["doc"], schema(), cls=jsonschema.Draft202012Validator)
 
 
 def test_a_hang_is_reported_by_the_check_not_by_the_harness_timeout(session: dict[str, Any]) -> None:

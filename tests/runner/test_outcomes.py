@@ -145,7 +145,7 @@ def test_fixtures_reach_ranks_and_output_is_prefixed(pytester: pytest.Pytester) 
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*[[]rank 0[]] hello from 0*", "*[[]rank 1[]] hello from 1*"])
     result.stdout.fnmatch_lines(
-        ["*fixture 'lock' cannot be sent to the ranks: lock is not picklable*"]
+        ["*fixture 'lock' cannot be sent to the ranks: its lock value does not pickle*"]
     )
     assert "During handling" not in result.stdout.str()
     xml = (pytester.path / "out.xml").read_text()

@@ -93,3 +93,23 @@ def test_a_huge_rank_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
     text = proc.output_since(4)
     assert text == "h" * OUTPUT_KEEP_BYTES + f"\n... {OUTPUT_READ_BYTES} bytes cut ...\n" + "t" * OUTPUT_KEEP_BYTES
     assert proc.output_since(log.stat().st_size - 3) == "ttt"
+
+
+def test_local_module_index_sees_new_modules_and_is_kept_otherwise(tmp_path: Path) -> None:
+    """The per-test scan of sys.modules is cached; an import or a removal must still be seen."""
+    import sys
+    import types
+
+    from ddp_conformance.session import _LocalModuleIndex
+
+    index = _LocalModuleIndex()
+    first = index(tmp_path)
+    assert index(tmp_path) is first  # nothing changed: the same answer, no rescan
+    module = types.ModuleType("ddp_probe_helpers")
+    module.__file__ = str(tmp_path / "ddp_probe_helpers.py")
+    sys.modules["ddp_probe_helpers"] = module
+    try:
+        assert index(tmp_path)["ddp_probe_helpers"] == (module.__file__, False)
+    finally:
+        del sys.modules["ddp_probe_helpers"]
+    assert "ddp_probe_helpers" not in index(tmp_path)

@@ -1,0 +1,223 @@
+"""What a warm distributed test costs inside pytest, next to a plain test, the pool and the all_reduce.
+
+    python benchmarks/pytest_overhead.py [--world-size 4] [--n1 100] [--n2 300] [--repeats 3]
+
+Per repeat, four pytest sessions in subprocesses (--junitxml), interleaved so load hits both kinds:
+N1 and N2 trivial distributed tests (`@pytest.mark.ddp(world_size=W)`, one all_reduce of one float and
+an assert on it), and N1 and N2 plain tests (one torch op and an assert; both modules import torch,
+as a distributed test module does). Columns:
+
+  junit ms       median JUnit time (setup + call + teardown) of tests 2..N2 of the N2 session: what
+                 pytest reports per test; the first test pays for the pool's start. Read from the
+                 reports' durations (what junitxml adds up) by a conftest, since the XML rounds to 1 ms
+  growth ms      (wall(N2 session) - wall(N1 session)) / (N2 - N1): what one more test adds to a run,
+                 collection, hooks, terminal and JUnit reporting included. A session's wall is its own
+                 clock (pytest_sessionstart to the last test's end) less its first test, which waits
+                 for the pool to start: process start, imports and pool start are the same for any N
+  pool ms        the same test sent straight to a warm RankPool (no pytest): the runner's own cost
+  all_reduce ms  one all_reduce of a float inside the group, averaged over 200: the floor of any
+                 distributed test
+Ratios: ddp junit / plain junit, ddp junit / all_reduce, ddp junit / pool. The last row is the median
+of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores.
+Figures move with load: other processes on a 2-core machine take the ranks' CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+DDP_TEST = '''
+@pytest.mark.ddp(world_size={ws})
+def test_ddp_{i}(ddp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == {ws}
+'''
+PLAIN_TEST = '''
+def test_plain_{i}():
+    t = torch.ones(1)
+    assert t.item() == 1
+'''
+HEADER = "import pytest\nimport torch\nimport torch.distributed as dist\n"
+# what junitxml sums into a test's time, kept at full precision; and the session's clock, less the
+# first test (which waits for the pool to start) and less process start and imports
+CONFTEST = '''
+import json
+import os
+import time
+
+import torch  # imported before the session's clock starts, as by any distributed test module
+
+DURATIONS = {}
+CLOCK = {}
+
+
+def pytest_sessionstart(session):
+    CLOCK["start"] = time.perf_counter()
+
+
+def pytest_collection_finish(session):
+    CLOCK["collected"] = time.perf_counter()
+
+
+def pytest_runtest_logreport(report):
+    DURATIONS[report.nodeid] = DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_runtest_logfinish(nodeid):
+    CLOCK.setdefault("first_done", time.perf_counter())
+    CLOCK["last_done"] = time.perf_counter()
+
+
+def pytest_sessionfinish(session):
+    wall = (CLOCK["collected"] - CLOCK["start"]) + (CLOCK["last_done"] - CLOCK["first_done"])
+    with open(os.environ["BENCH_DURATIONS"], "w") as handle:
+        json.dump({"durations": list(DURATIONS.values()), "wall": wall}, handle)
+'''
+POOL_SOURCE = '''
+import time
+import torch
+import torch.distributed as dist
+
+def test_trivial(ddp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ddp.world_size
+
+def test_floor(ddp):
+    t = torch.ones(1)
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(t)
+    ddp.figures["all_reduce_s"] = (time.perf_counter() - began) / 200
+'''
+
+
+def write_module(directory: Path, name: str, template: str, count: int, world_size: int) -> Path:
+    path = directory / name
+    path.write_text(HEADER + "".join(template.format(i=i, ws=world_size) for i in range(count)))
+    return path
+
+
+def run_session(module: Path, junit: Path) -> float:
+    """Session wall seconds over `module`, less the first test; fails loudly unless every test passed."""
+    env = dict(os.environ, BENCH_DURATIONS=str(junit.with_suffix(".json")))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                           module.name], cwd=module.parent, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark session failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return float(json.loads(junit.with_suffix(".json").read_text())["wall"])
+
+
+def junit_median(junit: Path) -> float:
+    """Median JUnit time of tests 2..N, checked against the XML (which rounds each to 1 ms)."""
+    times = json.loads(junit.with_suffix(".json").read_text())["durations"]
+    rounded = [float(case.get("time", "0")) for case in ET.parse(junit).iter("testcase")]
+    assert len(rounded) == len(times) and abs(sum(rounded) - sum(times)) < 1e-3 * len(times) + 0.01
+    return statistics.median(times[1:])
+
+
+def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[float, float]:
+    """(median seconds of the trivial test on a warm pool, seconds of one all_reduce)."""
+    from ddp_conformance.context import DdpPlan
+    from ddp_conformance.messages import Task
+    from ddp_conformance.supervisor import RankPool
+    from ddp_conformance.zygote import Zygote
+
+    module = directory / "pool_module.py"
+    module.write_text(POOL_SOURCE)
+
+    def task(name: str) -> Task:
+        return Task(nodeid=name, module_path=str(module), module_name="pool_module", qualname=name,
+                    funcargs=pickle.dumps({"ddp": DdpPlan(world_size, "gloo")}), sys_path=list(sys.path),
+                    cwd=os.getcwd())
+
+    zygote = Zygote(start_timeout=300)
+    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    try:
+        pool.start()
+        trivial = task("test_trivial")
+        for _ in range(10):
+            pool.run(trivial, 60)
+        times = []
+        for _ in range(warm_tests):
+            began = time.perf_counter()
+            run = pool.run(trivial, 60)
+            times.append(time.perf_counter() - began)
+            assert all(reply.outcome == "passed" for reply in run.replies.values()), run.replies
+        floor = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
+    finally:
+        pool.stop()
+        zygote.close()
+    return statistics.median(times), floor
+
+
+def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
+    (directory / "conftest.py").write_text(CONFTEST)
+    sessions: dict[str, float] = {}
+    for n in (args.n1, args.n2):
+        for kind, template in (("ddp", DDP_TEST), ("plain", PLAIN_TEST)):
+            module = write_module(directory, f"test_{kind}_{n}.py", template, n, args.world_size)
+            junit = directory / f"{kind}_{n}.xml"
+            sessions[f"{kind}_wall_{n}"] = run_session(module, junit)
+            if n == args.n2:
+                sessions[f"{kind}_junit"] = junit_median(junit)
+    span = args.n2 - args.n1
+    pool, floor = pool_figures(directory, args.world_size, args.warm_tests)
+    return {
+        "ddp_junit": sessions["ddp_junit"], "plain_junit": sessions["plain_junit"],
+        "ddp_growth": (sessions[f"ddp_wall_{args.n2}"] - sessions[f"ddp_wall_{args.n1}"]) / span,
+        "plain_growth": (sessions[f"plain_wall_{args.n2}"] - sessions[f"plain_wall_{args.n1}"]) / span,
+        "pool": pool, "all_reduce": floor,
+    }
+
+
+COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "pool ms",
+           "all_reduce ms", "ddp/plain", "ddp/all_reduce", "ddp/pool")
+
+
+def row(label: str, f: dict[str, float]) -> str:
+    cells = (label, f"{f['ddp_junit'] * 1e3:.2f}", f"{f['plain_junit'] * 1e3:.2f}", f"{f['ddp_growth'] * 1e3:.2f}",
+             f"{f['plain_growth'] * 1e3:.2f}", f"{f['pool'] * 1e3:.2f}", f"{f['all_reduce'] * 1e3:.2f}",
+             f"{f['ddp_junit'] / f['plain_junit']:.1f}x", f"{f['ddp_junit'] / f['all_reduce']:.1f}x",
+             f"{f['ddp_junit'] / f['pool']:.2f}x")
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--n1", type=int, default=100)
+    parser.add_argument("--n2", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warm-tests", type=int, default=200)
+    args = parser.parse_args()
+    import torch
+
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, world size {args.world_size}, "
+          f"N1={args.n1} N2={args.n2}, load average {os.getloadavg()[0]:.2f} at start\n")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ddp-pytest-overhead-") as tmp:
+        for repeat in range(args.repeats):
+            results.append(one_repeat(Path(tmp), args))
+            print(row(str(repeat + 1), results[-1]), flush=True)
+    median = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    print(row("median", median))
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The conformance report: the terminal matrix in 120 columns with no figure cut, the verdicts in full
+below it, the `--ddp-report` JSON against its schema, and figures on pytest-html's rows.
+
+Rendering is tested on results recorded from a real run (`data/report_ws4.json`: both references
+and two failing mutants at world size 4, 2-core machine); one cheap real run (two trainers, two quick
+checks, world size 2) covers the same from end to end, JSON schema and HTML included.
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_conformance.checks import CHECK_IDS, trainer_label
+from ddp_conformance.report import MATRIX_WIDTH, matrix_lines, schema
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = json.loads((Path(__file__).parent / "data" / "report_ws4.json").read_text())
+MUTANT = ROOT / "fixtures" / "mutants" / "no_set_epoch.py"
+
+# one xdist worker runs these, so the real run (a module fixture) happens once
+pytestmark = pytest.mark.xdist_group("report")
+
+
+def assert_fits_and_nothing_is_cut(doc: dict[str, Any], lines: list[str], width: int = MATRIX_WIDTH) -> None:
+    """Every line within `width`; every figure of every cell whole on some line; every failure's
+    verdict and skip's reason in full, in order, below the matrix."""
+    assert lines and all(len(line) <= width for line in lines), max(lines, key=len)
+    tokens = {token for line in lines for token in line.split()}
+    for result in doc["results"]:
+        summary = str(result["figures"].get("summary", "")) if result["outcome"] != "skipped" else ""
+        missing = [token for token in summary.split() if token not in tokens]
+        assert not missing, f"{result['trainer']} / {result['check']}: {missing} cut from the matrix"
+    below = " ".join(line.strip() for line in lines)
+    for n, result in enumerate((r for r in doc["results"] if r["outcome"] != "passed"), start=1):
+        expected = f"[{n}] {trainer_label(result['trainer'])} / {result['check']} {result['outcome']}: "
+        assert expected + " ".join(result["message"].split()) in below
+
+
+def test_matrix_fits_120_columns_for_both_references_and_failing_mutants() -> None:
+    trainers = {r["trainer"] for r in RECORDED["results"]}
+    assert {"torch", "lightning"} <= trainers and any(r["outcome"] == "failed" for r in RECORDED["results"])
+    lines = matrix_lines(RECORDED)
+    assert_fits_and_nothing_is_cut(RECORDED, lines)
+    assert lines[0].split()[0] == "trainer"
+    header = lines[0].split()[1:] + lines[1].split()  # a check id too wide for its column goes on two lines
+    for check in CHECK_IDS:
+        assert check in header or any(a + b == check for a in header for b in header), (check, header)
+    assert any(line.startswith("summed_loss") and "FAIL [1]" in line for line in lines)
+    # the figure the old matrix cut ("PASS max |d| 6e-08 @7 (ckpt...") is whole now
+    assert any("max |d| 6e-08 @7" in line for line in lines) and any("(ckpt @3)" in line for line in lines)
+
+
+def test_matrix_with_long_figures_and_labels_still_fits() -> None:
+    doc = copy.deepcopy(RECORDED)
+    for result in doc["results"]:
+        result["trainer"] = result["trainer"].replace("summed_loss", "a_very_long_trainer_file_name_for_the_loss")
+        if result["check"] == "bucket_view_memory":
+            result["figures"]["summary"] = "saved 1609792 B = 100.1% of grads, 17.2% of the step's peak"
+    assert_fits_and_nothing_is_cut(doc, matrix_lines(doc))
+
+
+def test_narrower_widths_fit_and_too_narrow_becomes_a_list() -> None:
+    assert_fits_and_nothing_is_cut(RECORDED, matrix_lines(RECORDED, width=80), width=80)
+    lines = matrix_lines(RECORDED, width=50)
+    assert_fits_and_nothing_is_cut(RECORDED, lines, width=50)
+    assert "  resume_fidelity: PASS max |d| 6e-08 @7 (ckpt @3)" in lines
+
+
+def test_the_schema_is_valid_and_names_every_check() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
+    jsonschema.Draft202012Validator.check_schema(schema())
+    assert schema()["$defs"]["result"]["properties"]["check"]["enum"] == list(CHECK_IDS)
+    assert schema()["properties"]["schema_version"]["const"] == RECORDED["schema_version"] == 1
+
+
+def test_the_recorded_report_validates_and_broken_ones_do_not() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
+    validator = jsonschema.Draft202012Validator(schema())
+    assert not list(validator.iter_errors(RECORDED))
+    for breakage in (lambda d: d.pop("schema_version"), lambda d: d["results"][0].update(outcome="green"),
+                     lambda d: d["results"][0]["figures"].update(notes="not a list"),
+                     lambda d: d["results"][0].update(extra=1)):
+        broken = copy.deepcopy(RECORDED)
+        breakage(broken)
+        assert list(validator.iter_errors(broken)), "the schema accepted a broken report"
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The suite on the torch reference and a mutant that fails the sampler check, two quick checks,
+    world size 2, with --ddp-report (and --html when pytest-html is installed)."""
+    workdir = tmp_path_factory.mktemp("report")
+    report, page = workdir / "report.json", workdir / "report.html"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
+               "--ddp-world-size", "2", "--ddp-report", str(report), "--ddp-trainer", "torch",
+               "--ddp-trainer", f"{MUTANT}:Trainer", "-k", "sampler_disjointness or gradient_equivalence"]
+    has_html = _has_pytest_html()
+    if has_html:
+        command += [f"--html={page}", "--self-contained-html"]
+    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=240)
+    assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"proc": proc, "doc": json.loads(report.read_text()), "html": page.read_text() if has_html else None}
+
+
+def _has_pytest_html() -> bool:
+    try:
+        import pytest_html  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_a_real_run_writes_a_report_its_schema_accepts(real_run: dict[str, Any]) -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
+    doc = real_run["doc"]
+    jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
+    assert doc["schema_version"] == 1 and (doc["world_size"], doc["backend"]) == (2, "gloo")
+    outcomes = {(trainer_label(r["trainer"]), r["check"]): r["outcome"] for r in doc["results"]}
+    assert outcomes == {("torch", "sampler_disjointness"): "passed", ("torch", "gradient_equivalence"): "passed",
+                        ("no_set_epoch", "sampler_disjointness"): "failed",
+                        ("no_set_epoch", "gradient_equivalence"): "passed"}
+
+
+def test_a_real_run_prints_a_matrix_that_fits(real_run: dict[str, Any]) -> None:
+    out = real_run["proc"].stdout.splitlines()
+    start = next(i for i, line in enumerate(out) if "ddp conformance (world size 2, gloo)" in line)
+    end = next(i for i, line in enumerate(out) if i > start and line.startswith("====="))
+    assert_fits_and_nothing_is_cut(real_run["doc"], out[start + 1:end])
+    assert "set_epoch" in " ".join(out[start + 1:end])  # the mutant's verdict, below the matrix
+
+
+@pytest.mark.skipif(not _has_pytest_html(), reason="pytest-html is not installed (a dev extra)")
+def test_pytest_html_rows_carry_the_figures_and_the_verdict(real_run: dict[str, Any]) -> None:
+    blob = re.search(r'data-jsonblob="([^"]*)"', real_run["html"])
+    assert blob, "pytest-html's data blob not found: its page layout changed"
+    tests = json.loads(html.unescape(blob.group(1)))["tests"]
+    failing = doc_result(real_run["doc"], "no_set_epoch", "sampler_disjointness")
+    rows = {test_id: entries for test_id, entries in tests.items() if "test_conformance[" in test_id}
+    assert len(rows) == 4
+    (mutant_row,) = [entries for test_id, entries in rows.items() if "no_set_epoch-sampler_disjointness" in test_id]
+    contents = " ".join(str(extra.get("content", "")) for entry in mutant_row for extra in entry.get("extras", []))
+    assert html.escape(failing["figures"]["verdict"]) in contents
+    assert "<td>summary</td>" in contents and html.escape(json.dumps(failing["figures"]["summary"])) in contents
+    formats = {extra["format_type"] for entry in mutant_row for extra in entry.get("extras", [])}
+    assert formats == {"html", "json"}
+
+
+def doc_result(doc: dict[str, Any], label: str, check: str) -> dict[str, Any]:
+    return next(r for r in doc["results"] if trainer_label(r["trainer"]) == label and r["check"] == check)
