@@ -51,11 +51,14 @@ def stall_seconds(timeout: float) -> float:
 def trainer_label(spec: str) -> str:
     """A short, readable name for a SPEC in test ids and the report: built-ins as is, a file SPEC
     by its file stem (plus the attribute when it is not `Trainer`), a module SPEC by its last part,
-    a `lightning:` SPEC by the names of its parts (`LitModel+LitData`)."""
+    a `lightning:` SPEC by the names of its parts (`LitModel+LitData`), a `script:` SPEC by its script."""
     from pathlib import PurePath
 
     if spec.startswith("lightning:"):  # lightning:pkg.model:LitModel+pkg.data:LitData -> LitModel+LitData
         return "+".join(part.rpartition(":")[2].strip() for part in spec[len("lightning:"):].split("+"))
+    if spec.startswith("script:"):  # script:path/train.py --flags ... -> train.py
+        words = spec[len("script:"):].split()
+        return PurePath(words[0]).name if words else spec
     target, sep, attr = spec.rpartition(":")
     if not sep:
         return spec

@@ -254,9 +254,9 @@ def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
     fresh, resumed = ctx.recordings["uninterrupted"].first_rng, ctx.recordings["resumed"].first_rng
     if not all(all_gather(fresh is not None and fresh == resumed)):
         return ""
-    return (f"the trainer re-seeds its RNG when it starts: {_head(k, n)}, and its first batch after the resume draws "
-            "from the RNG state a fresh fit starts with, not the one saved at the checkpoint (seed once, before "
-            "restoring the checkpoint's RNG state, or not at all on resume)")
+    return (f"the RNG state is not restored: {_head(k, n)}, and its first batch after the resume draws from the RNG "
+            "state a fresh fit starts with: the trainer seeds its RNG when it starts and restores no checkpointed "
+            "RNG state after that (restore every rank's RNG state from the checkpoint after any seeding)")
 
 
 def _head(k: int, n: int) -> str:

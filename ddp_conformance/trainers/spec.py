@@ -15,6 +15,10 @@ file gives the same module name in every process, so its classes pickle by refer
 
 This module imports neither torch nor lightning (a `lightning:` SPEC imports the user's modules, which
 do); the built-ins and the Lightning adapter are imported only when their factory is called.
+
+A `script:` SPEC names a training script by its command lines (`script_adapter.py`):
+`script:train.py --steps {steps} --ckpt-dir {checkpoint_dir} --ckpt-at {checkpoint_at} | train.py
+--steps {steps} --resume {checkpoint}`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from ..adapter import NotProvided, TrainerAdapter
+from .script_adapter import SCRIPT_PREFIX
 
 BUILTINS: dict[str, str] = {
     "torch": "ddp_conformance.trainers.torch_ref:TorchTrainer",
@@ -152,11 +157,26 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
         return _Builtin(spec)
     if spec.startswith(LIGHTNING_PREFIX):
         return _resolve_lightning(spec, Path(rootdir))
+    if spec.startswith(SCRIPT_PREFIX):
+        return _resolve_script(spec, Path(rootdir))
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise SpecError(_message(spec, "expected a built-in name (" + ", ".join(BUILTINS)
                                  + "), package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
     return _as_factory(spec, _attribute(spec, target, attr, Path(rootdir), _adapters_in))
+
+
+def _resolve_script(spec: str, base: Path) -> Factory:
+    """A `script:` SPEC: checked here (the script exists, the placeholders are known), run in the ranks."""
+    import functools
+
+    from .script_adapter import ScriptAdapter, ScriptSpecError, parse_script_spec
+
+    try:
+        parse_script_spec(spec, base)
+    except ScriptSpecError as exc:
+        raise SpecError(_message(spec, str(exc))) from None
+    return functools.partial(ScriptAdapter, spec, base)
 
 
 def _attribute(spec: str, target: str, attr: str, rootdir: Path, candidates: Callable[[ModuleType], list[str]]) -> Any:
