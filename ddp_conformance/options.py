@@ -6,6 +6,7 @@ command line wins. Bad values become one-line usage errors here, before anything
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,3 +160,34 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> N
             load_config(settings.config_path)
         except ConfigError as exc:
             raise pytest.UsageError(str(exc)) from None
+
+
+PATH_OPTIONS = ("--ddp-report", "--ddp-config")
+INI_FILES = (("pytest.ini", ""), (".pytest.ini", ""), ("pyproject.toml", "[tool.pytest"), ("tox.ini", "[pytest]"),
+             ("setup.cfg", "[tool:pytest]"))
+
+
+def refuse_path_taken_for_a_test_path(config: pytest.Config) -> None:
+    """pytest picks its rootdir and ini file before plugins add their options, so the value of
+    `--ddp-report PATH` (separate word) counts there as a test path: once PATH exists outside the
+    repo, the rootdir moves up and the repo's ini file (with its `ddp_trainers` line) is silently
+    ignored. That is one usage line here, with the spelling that avoids it, never a quiet other run."""
+    args = [str(arg) for arg in config.invocation_params.args]
+    for option, value in itertools.pairwise(args):
+        if option not in PATH_OPTIONS or not os.path.exists(value):
+            continue
+        expected = _ini_file_above(config.invocation_params.dir)
+        if expected is not None and expected != config.inipath:
+            raise pytest.UsageError(
+                f"{option} {value}: pytest took this existing path for a test path when it chose its rootdir "
+                f"(it does so before plugin options are known), so it ignored {expected}; write {option}={value}")
+
+
+def _ini_file_above(directory: Path) -> Path | None:
+    """The ini file pytest finds from `directory` upwards when given no test path (its documented search)."""
+    for folder in (directory, *directory.parents):
+        for name, section in INI_FILES:
+            candidate = folder / name
+            if candidate.is_file() and (not section or section in candidate.read_text(errors="replace")):
+                return candidate
+    return None

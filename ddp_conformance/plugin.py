@@ -46,6 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     launched = external.launched_externally()
     if launched:
         external.quiet_non_zero_rank(config)  # before the settings read the report path
+    options.refuse_path_taken_for_a_test_path(config)
     settings = options.read_settings(config)
     config.stash[SETTINGS_KEY] = settings
     if launched:

@@ -86,3 +86,25 @@ def test_the_same_command_runs_twice_with_paths_relative_to_where_it_was_typed(p
         assert [(r["trainer"], r["check"], r["outcome"]) for r in report["results"]] == [
             ("conformance_adapter.py:MyTrainer", "rank_participation", "passed")], attempt
         (pytester.path / "logs" / "r.json").write_text(json.dumps({"stale": attempt}))
+
+
+def test_a_report_path_that_would_hide_the_repos_ini_file_is_one_usage_line(pytester: pytest.Pytester) -> None:
+    """With the repo's pytest.ini naming its adapter, `--ddp-report ../logs/r.json` (separate word)
+    makes pytest, once that file exists, choose a rootdir above the repo and ignore the ini file:
+    the run would quietly check the references instead. It stops with one line saying what to write."""
+    repo = pytester.path / "repo"
+    shutil.copytree(ROOT / "examples" / "ci_gate", repo)
+    (pytester.path / "logs").mkdir()
+    (pytester.path / "logs" / "r.json").write_text("{}")
+    base = [sys.executable, "-m", "pytest", "--pyargs", "ddp_conformance.suite", "-p", "no:cacheprovider",
+            "--collect-only", "-q"]
+    separate = subprocess.run([*base, "--ddp-report", "../logs/r.json"], cwd=repo, capture_output=True, text=True,
+                              timeout=120)
+    assert separate.returncode == 4
+    assert separate.stderr.strip().splitlines() == [
+        f"ERROR: --ddp-report ../logs/r.json: pytest took this existing path for a test path when it chose its rootdir "
+        f"(it does so before plugin options are known), so it ignored {repo / 'pytest.ini'}; write "
+        "--ddp-report=../logs/r.json"]
+    joined = subprocess.run([*base, "--ddp-report=../logs/r.json"], cwd=repo, capture_output=True, text=True,
+                            timeout=120)
+    assert joined.returncode == 0 and "conformance_adapter.MyTrainer-rank_participation" in joined.stdout, joined.stdout
