@@ -68,6 +68,7 @@ class FitRecord:
     nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
     passes: list[LoaderPass] = field(default_factory=list)
     first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
+    rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
     optimizer: Any = field(default=None, repr=False)  # the first optimizer that stepped
@@ -116,6 +117,8 @@ class FitRecorder:
     def __exit__(self, *exc: object) -> None:
         try:
             self._close_micro_batch()
+            if self.record.first_rng is not None:
+                self.record.rng_consumed = input_digest(self._torch.get_rng_state()) != self.record.first_rng
         finally:
             self._stack.close()
 

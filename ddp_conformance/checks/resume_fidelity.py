@@ -215,8 +215,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
                                    default=0.0)
     # every decision below is taken from gathered values, so all ranks run the same collectives
+    taken = ctx.recordings["until-checkpoint"].optimizer_steps
+    if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
+        ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
     if any(all_gather(bool(found))):
-        static = _diagnose(found, full, part, first.weights, Path(checkpoint), n, k) if found else ""
+        weights = first.weights if all(all_gather(taken == k)) else None
+        static = _diagnose(found, full, part, weights, Path(checkpoint), n, k) if found else ""
         verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n)
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, Path(checkpoint), at_checkpoint, n, k)
@@ -239,20 +243,23 @@ def _not_reproducible(ctx: CheckContext, k: int) -> str:
     """Two fits from scratch must agree at step k (the uninterrupted fit and the one that
     checkpoints), or no resume can be compared with either: "" when they do or cannot be compared."""
     full, part = ctx.recordings["uninterrupted"].step_digests, ctx.recordings["until-checkpoint"].step_digests
-    mine = full[k - 1] != part[k - 1] if len(full) >= k and len(part) >= k else False
-    differing = [rank for rank, d in enumerate(all_gather(mine)) if d]
+    mine = next((step for step, (a, b) in enumerate(zip(full[:k], part[:k], strict=False), start=1) if a != b), 0)
+    differing = [(rank, step) for rank, step in enumerate(all_gather(mine)) if step]
     if not differing:
         return ""
-    return (f"the fit is not reproducible: two fits from scratch already differ after step {k} on rank "
-            f"{differing[0]} (its parameters), so a resume cannot be compared with either: an unseeded model, "
-            "data order or dropout? (every rank starts with its own fresh seeds, as under torchrun)")
+    rank, step = min(differing, key=lambda d: d[1])
+    return (f"the fit is not reproducible: two fits from scratch already differ after step {step} on rank {rank} "
+            "(its parameters), so a resume cannot be compared with either: an unseeded model, data order or "
+            "dropout? (every rank starts with its own fresh seeds, as under torchrun)")
 
 
 def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
     """The resumed fit's first micro-batch drew from the RNG of a fresh fit's first micro-batch: the
     trainer seeds its RNG when it starts, after (or instead of) restoring the checkpoint's."""
-    fresh, resumed = ctx.recordings["uninterrupted"].first_rng, ctx.recordings["resumed"].first_rng
-    if not all(all_gather(fresh is not None and fresh == resumed)):
+    full = ctx.recordings["uninterrupted"]
+    fresh, resumed = full.first_rng, ctx.recordings["resumed"].first_rng
+    # only where the loop draws from the RNG while it trains can the RNG explain a difference
+    if not all(all_gather(fresh is not None and fresh == resumed and bool(full.rng_consumed))):
         return ""
     return (f"the RNG state is not restored: {_head(k, n)}, and its first batch after the resume draws from the RNG "
             "state a fresh fit starts with: the trainer seeds its RNG when it starts and restores no checkpointed "

@@ -42,8 +42,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if any(all_gather(bool(probe) and probe[0].iterable)):
         return schemes.judge_iterable(ctx, probe)
     if epoch is None:
-        pytest.skip("the training loader has no length (or no training forward ran in fit(1)): the steps of an "
-                    "epoch cannot be known")
+        pytest.skip("fit(1) drew its batches through no DataLoader with a length (batches made by hand, e.g. "
+                    "torch.randint, or an unsized iterable): there are no epochs or sample indices to judge")
     steps = len(EPOCHS) * epoch + 1  # into a third epoch, so the first two are complete
     guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
     passes = ctx.recordings["two-epochs"].training_passes()
