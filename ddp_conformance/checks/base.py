@@ -127,8 +127,10 @@ class CheckContext:
         """Record the verdict with the figures and return the exception to raise."""
         self.figures.update(figures)
         self.figures["verdict"] = message
-        # the report's cell: the verdict's first clause, shortened at a word (never inside a figure)
-        self.figures.setdefault("summary", textwrap.shorten(message.split(":", 1)[0], 40, placeholder="..."))
+        # the report's cell: the verdict's first clause, shortened at a word (never inside a figure), with
+        # identifiers split at their underscores so that six columns of cells still fit 120 columns
+        clause = message.split(":", 1)[0].replace("_", " ")
+        self.figures.setdefault("summary", textwrap.shorten(clause, 40, placeholder="..."))
         self.finish({})
         return CheckFailed(message)
 
