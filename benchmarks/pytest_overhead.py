@@ -1,22 +1,26 @@
 """What a warm distributed test costs inside pytest, next to a plain test, the pool and the all_reduce.
 
-    python benchmarks/pytest_overhead.py [--world-size 4] [--n1 100] [--n2 300] [--repeats 3]
+    python benchmarks/pytest_overhead.py [--world-size 4] [--n1 100] [--n2 400] [--repeats 3]
 
-Per repeat, four pytest sessions in subprocesses (--junitxml), interleaved so load hits both kinds:
-N1 and N2 trivial distributed tests (`@pytest.mark.ddp(world_size=W)`, one all_reduce of one float and
-an assert on it), and N1 and N2 plain tests (one torch op and an assert; both modules import torch,
-as a distributed test module does). Columns:
+Per repeat, four pytest sessions in subprocesses (with --junitxml), interleaved so that load hits both
+kinds: N1 and N2 trivial distributed tests (`@pytest.mark.ddp(world_size=W)`, one all_reduce of one
+float and an assert on it) and N1 and N2 plain tests (one torch op and an assert). Both modules import
+torch, as a distributed test module does, and start with one test left out of every figure: there,
+the distributed module waits for its pool and lets the zygote's idle-time imports finish (they would
+otherwise take a core from the first few hundred milliseconds of tests). Columns:
 
-  junit ms       median JUnit time (setup + call + teardown) of tests 2..N2 of the N2 session: what
-                 pytest reports per test; the first test pays for the pool's start. Read from the
-                 reports' durations (what junitxml adds up) by a conftest, since the XML rounds to 1 ms
-  growth ms      (wall(N2 session) - wall(N1 session)) / (N2 - N1): what one more test adds to a run,
-                 collection, hooks, terminal and JUnit reporting included. A session's wall is its own
-                 clock (pytest_sessionstart to the last test's end) less its first test, which waits
-                 for the pool to start: process start, imports and pool start are the same for any N
+  junit ms       median JUnit time (setup + call + teardown) of the measured tests of the N2 session,
+                 what pytest reports per test; read from the reports' durations (what junitxml adds
+                 up) by a conftest, because the XML rounds each to 1 ms
+  growth ms      what one more test adds to a session's run: (run(N2) - run(N1)) / (N2 - N1), where
+                 run is the session's clock from the end of its first test to the end of its last
+                 (hooks, terminal and JUnit reporting included)
+  collect ms     the same for collection: (collect(N2) - collect(N1)) / (N2 - N1)
   pool ms        the same test sent straight to a warm RankPool (no pytest): the runner's own cost
   all_reduce ms  one all_reduce of a float inside the group, averaged over 200: the floor of any
                  distributed test
+  rank cpu ms    CPU time all ranks together spend per pool-level test (/proc): with W ranks on 2
+                 cores, half of it (plus the parent's share) bounds the wall time from below
 Ratios: ddp junit / plain junit, ddp junit / all_reduce, ddp junit / pool. The last row is the median
 of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores.
 Figures move with load: other processes on a 2-core machine take the ranks' CPU.
@@ -49,8 +53,20 @@ def test_plain_{i}():
     assert t.item() == 1
 '''
 HEADER = "import pytest\nimport torch\nimport torch.distributed as dist\n"
-# what junitxml sums into a test's time, kept at full precision; and the session's clock, less the
-# first test (which waits for the pool to start) and less process start and imports
+SETTLE = {
+    "ddp": '''
+@pytest.mark.ddp(world_size={ws})
+def test_a_settle(ddp):
+    import time
+    time.sleep(8)  # the pool is up; the zygote imports torch._dynamo & co. while idle
+''',
+    "plain": '''
+def test_a_settle():
+    pass
+''',
+}
+# what junitxml sums into a test's time, kept at full precision; and the session's clock: collection,
+# and the run from the end of the first test (left out) to the end of the last
 CONFTEST = '''
 import json
 import os
@@ -80,9 +96,9 @@ def pytest_runtest_logfinish(nodeid):
 
 
 def pytest_sessionfinish(session):
-    wall = (CLOCK["collected"] - CLOCK["start"]) + (CLOCK["last_done"] - CLOCK["first_done"])
     with open(os.environ["BENCH_DURATIONS"], "w") as handle:
-        json.dump({"durations": list(DURATIONS.values()), "wall": wall}, handle)
+        json.dump({"durations": list(DURATIONS.values()), "collect": CLOCK["collected"] - CLOCK["start"],
+                   "run": CLOCK["last_done"] - CLOCK["first_done"]}, handle)
 '''
 POOL_SOURCE = '''
 import time
@@ -104,32 +120,44 @@ def test_floor(ddp):
 '''
 
 
-def write_module(directory: Path, name: str, template: str, count: int, world_size: int) -> Path:
-    path = directory / name
-    path.write_text(HEADER + "".join(template.format(i=i, ws=world_size) for i in range(count)))
+def write_module(directory: Path, kind: str, template: str, count: int, world_size: int) -> Path:
+    path = directory / f"test_{kind}_{count}.py"
+    body = "".join(template.format(i=i, ws=world_size) for i in range(count))
+    path.write_text(HEADER + SETTLE[kind].format(ws=world_size) + body)
     return path
 
 
-def run_session(module: Path, junit: Path) -> float:
-    """Session wall seconds over `module`, less the first test; fails loudly unless every test passed."""
+def run_session(module: Path, junit: Path) -> dict[str, float]:
+    """The session's collection and run seconds; fails loudly unless every test passed."""
     env = dict(os.environ, BENCH_DURATIONS=str(junit.with_suffix(".json")))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                            module.name], cwd=module.parent, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark session failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return float(json.loads(junit.with_suffix(".json").read_text())["wall"])
+    clock = json.loads(junit.with_suffix(".json").read_text())
+    return {"collect": clock["collect"], "run": clock["run"]}
 
 
 def junit_median(junit: Path) -> float:
-    """Median JUnit time of tests 2..N, checked against the XML (which rounds each to 1 ms)."""
+    """Median JUnit time of the measured tests, checked against the XML (which rounds each to 1 ms)."""
     times = json.loads(junit.with_suffix(".json").read_text())["durations"]
     rounded = [float(case.get("time", "0")) for case in ET.parse(junit).iter("testcase")]
     assert len(rounded) == len(times) and abs(sum(rounded) - sum(times)) < 1e-3 * len(times) + 0.01
     return statistics.median(times[1:])
 
 
-def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[float, float]:
-    """(median seconds of the trivial test on a warm pool, seconds of one all_reduce)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[float, float, float]:
+    """(median seconds of the trivial test on a warm pool, seconds of one all_reduce, CPU seconds all
+    ranks spend per test: on 2 cores, half of it is a floor under any per-test wall time)."""
     from ddp_conformance.context import DdpPlan
     from ddp_conformance.messages import Task
     from ddp_conformance.supervisor import RankPool
@@ -151,45 +179,50 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[flo
         for _ in range(10):
             pool.run(trivial, 60)
         times = []
+        pids = [proc.popen.pid for proc in pool.ranks]
+        cpu_before = sum(map(cpu_seconds, pids))
         for _ in range(warm_tests):
             began = time.perf_counter()
             run = pool.run(trivial, 60)
             times.append(time.perf_counter() - began)
             assert all(reply.outcome == "passed" for reply in run.replies.values()), run.replies
+        rank_cpu = (sum(map(cpu_seconds, pids)) - cpu_before) / warm_tests
         floor = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
     finally:
         pool.stop()
         zygote.close()
-    return statistics.median(times), floor
+    return statistics.median(times), floor, rank_cpu
 
 
 def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
     (directory / "conftest.py").write_text(CONFTEST)
-    sessions: dict[str, float] = {}
+    clocks: dict[tuple[str, int], dict[str, float]] = {}
+    figures: dict[str, float] = {}
     for n in (args.n1, args.n2):
         for kind, template in (("ddp", DDP_TEST), ("plain", PLAIN_TEST)):
-            module = write_module(directory, f"test_{kind}_{n}.py", template, n, args.world_size)
+            module = write_module(directory, kind, template, n, args.world_size)
             junit = directory / f"{kind}_{n}.xml"
-            sessions[f"{kind}_wall_{n}"] = run_session(module, junit)
+            clocks[(kind, n)] = run_session(module, junit)
             if n == args.n2:
-                sessions[f"{kind}_junit"] = junit_median(junit)
+                figures[f"{kind}_junit"] = junit_median(junit)
     span = args.n2 - args.n1
-    pool, floor = pool_figures(directory, args.world_size, args.warm_tests)
-    return {
-        "ddp_junit": sessions["ddp_junit"], "plain_junit": sessions["plain_junit"],
-        "ddp_growth": (sessions[f"ddp_wall_{args.n2}"] - sessions[f"ddp_wall_{args.n1}"]) / span,
-        "plain_growth": (sessions[f"plain_wall_{args.n2}"] - sessions[f"plain_wall_{args.n1}"]) / span,
-        "pool": pool, "all_reduce": floor,
-    }
+    for kind in ("ddp", "plain"):
+        for phase in ("run", "collect"):
+            grown = clocks[(kind, args.n2)][phase] - clocks[(kind, args.n1)][phase]
+            figures[f"{kind}_{'growth' if phase == 'run' else 'collect'}"] = grown / span
+    figures["pool"], figures["all_reduce"], figures["rank_cpu"] = pool_figures(directory, args.world_size,
+                                                                              args.warm_tests)
+    return figures
 
 
-COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "pool ms",
-           "all_reduce ms", "ddp/plain", "ddp/all_reduce", "ddp/pool")
+COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "ddp collect ms",
+           "plain collect ms", "pool ms", "all_reduce ms", "rank cpu ms", "ddp/plain", "ddp/all_reduce", "ddp/pool")
 
 
 def row(label: str, f: dict[str, float]) -> str:
-    cells = (label, f"{f['ddp_junit'] * 1e3:.2f}", f"{f['plain_junit'] * 1e3:.2f}", f"{f['ddp_growth'] * 1e3:.2f}",
-             f"{f['plain_growth'] * 1e3:.2f}", f"{f['pool'] * 1e3:.2f}", f"{f['all_reduce'] * 1e3:.2f}",
+    ms = ("ddp_junit", "plain_junit", "ddp_growth", "plain_growth", "ddp_collect", "plain_collect", "pool",
+          "all_reduce", "rank_cpu")
+    cells = (label, *(f"{f[key] * 1e3:.2f}" for key in ms),
              f"{f['ddp_junit'] / f['plain_junit']:.1f}x", f"{f['ddp_junit'] / f['all_reduce']:.1f}x",
              f"{f['ddp_junit'] / f['pool']:.2f}x")
     return "| " + " | ".join(cells) + " |"
@@ -199,7 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--n1", type=int, default=100)
-    parser.add_argument("--n2", type=int, default=300)
+    parser.add_argument("--n2", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warm-tests", type=int, default=200)
     args = parser.parse_args()

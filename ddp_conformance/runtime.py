@@ -21,6 +21,8 @@ import time
 import types
 from typing import Any
 
+import pytest
+
 from .builtin_fixtures import StandIn
 from .context import DdpContext, DdpPlan
 from .introspection import RankAssertions
@@ -104,8 +106,9 @@ def _compile(path: str, rewrite: bool) -> Any:
 
 
 def know_local_modules(files: dict[str, tuple[str, bool]]) -> None:
-    _local_modules.files.update(files)
-    if _local_modules not in sys.meta_path:
+    if files and not files.items() <= _local_modules.files.items():
+        _local_modules.files.update(files)
+    if files and _local_modules not in sys.meta_path:
         sys.meta_path.insert(0, _local_modules)
 
 
@@ -187,7 +190,8 @@ def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
     that disagree on it are out of step, so the parent rebuilds the pool)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    world = dist.group.WORLD  # None once the test destroyed the default group
+    if world is None:
         return False, "the test destroyed the default process group", None
     # a thread the test left behind may be blocked in a collective of this group, or may kill the
     # rank during the next test; a rebuild from the zygote costs a tenth of a second
@@ -196,7 +200,7 @@ def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
         return False, f"the test left {len(leftover)} thread(s) running", None
     sequence = None
     with contextlib.suppress(Exception):  # private API: without it, the other rules still hold
-        sequence = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+        sequence = world._get_sequence_number_for_group()
     return True, "", sequence
 
 
@@ -239,19 +243,27 @@ _pool_environ: PoolEnviron | None = None
 def _call(func: Any, kwargs: dict[str, Any], ctx: DdpContext) -> None:
     """Call the test with this rank's values: its DdpContext for the plan, and the rank's own
     built-in fixtures (capsys, caplog...) for their stand-ins, torn down right after the call."""
+    stand_ins = False
+    for name, value in kwargs.items():
+        if isinstance(value, DdpPlan):
+            kwargs[name] = ctx
+        stand_ins = stand_ins or isinstance(value, StandIn)
+    if not stand_ins:
+        func(**kwargs)
+        return
     with contextlib.ExitStack() as stack:
         for name, value in kwargs.items():
-            if isinstance(value, DdpPlan):
-                kwargs[name] = ctx
-            elif isinstance(value, StandIn):
+            if isinstance(value, StandIn):
                 kwargs[name] = value.materialize(stack)
         func(**kwargs)
 
 
 def run_task(task: Task) -> RankReply:
-    """Run one test on this rank; never raise (a reply must always go back)."""
-    import pytest
+    """Run one test on this rank; never raise (a reply must always go back).
 
+    Every line here runs once per test on every rank with cold caches (the ranks share two cores
+    with pytest), where it costs several times what a warm loop shows: steps that change nothing
+    are skipped."""
     global _pool_environ
     if _pool_environ is None:
         _pool_environ = PoolEnviron()
@@ -263,8 +275,10 @@ def run_task(task: Task) -> RankReply:
     func = None
     try:
         fresh_seeds()  # every test finds each rank's RNG as a fresh torchrun process would: its own seeds
-        sys.path[:] = list(task.sys_path)
-        os.chdir(task.cwd)
+        if sys.path != task.sys_path:
+            sys.path[:] = task.sys_path
+        if task.cwd != cwd:
+            os.chdir(task.cwd)
         know_local_modules(task.local_modules)
         with _explained(task):  # builds the rank's pytest Config, so conftests load first, as in the parent
             module = load_module(task.module_path, task.module_name)
