@@ -158,10 +158,10 @@ def cpu_seconds(pid: int) -> float:
 def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[float, float, float]:
     """(median seconds of the trivial test on a warm pool, seconds of one all_reduce, CPU seconds all
     ranks spend per test: on 2 cores, half of it is a floor under any per-test wall time)."""
-    from ddp_conformance.context import DdpPlan
-    from ddp_conformance.messages import Task
-    from ddp_conformance.supervisor import RankPool
-    from ddp_conformance.zygote import Zygote
+    from ddp_conformance.runner.context import DdpPlan
+    from ddp_conformance.runner.protocol import Task
+    from ddp_conformance.runner.supervisor import RankPool
+    from ddp_conformance.runner.zygote import Zygote
 
     module = directory / "pool_module.py"
     module.write_text(POOL_SOURCE)

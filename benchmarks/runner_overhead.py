@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_conformance.context import DdpPlan
-from ddp_conformance.messages import Task
-from ddp_conformance.supervisor import RankPool
-from ddp_conformance.zygote import Zygote
+from ddp_conformance.runner.context import DdpPlan
+from ddp_conformance.runner.protocol import Task
+from ddp_conformance.runner.supervisor import RankPool
+from ddp_conformance.runner.zygote import Zygote
 
 TEST_SOURCE = """
 import torch

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddp_conformance.context import DdpPlan
-from ddp_conformance.messages import Task
-from ddp_conformance.supervisor import RankPool
+from ddp_conformance.runner.context import DdpPlan
+from ddp_conformance.runner.protocol import Task
+from ddp_conformance.runner.supervisor import RankPool
 
 TEST_SOURCE = """
 import torch

@@ -33,6 +33,15 @@ class Settings:
     spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
 
 
+SETTINGS_KEY = pytest.StashKey[Settings]()
+
+
+def settings_of(config: pytest.Config) -> Settings:
+    """The session's validated options (world size, trainer SPECs, config path...), read once in
+    `pytest_configure`."""
+    return config.stash[SETTINGS_KEY]
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("ddp-conformance", "ddp-conformance (distributed DDP tests and conformance checks)")
     group.addoption(

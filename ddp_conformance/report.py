@@ -80,7 +80,7 @@ class ConformanceReport:
         """The JSON report. World size and backend come from the results' figures (what the ranks
         saw), else from the options."""
         from .checks import CHECK_IDS
-        from .plugin import settings_of
+        from .options import settings_of
 
         settings = settings_of(self.config)
         trainers = list(settings.trainers)
@@ -96,7 +96,7 @@ class ConformanceReport:
                 "backend": shaped.get("backend", settings.backend), "results": results}
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        from .plugin import settings_of
+        from .options import settings_of
 
         path = settings_of(self.config).report_path
         if path and not hasattr(self.config, "workerinput"):  # under xdist the controller writes it

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ..seeds import fresh_seeds
+from ..runner.seeds import fresh_seeds
 from .base import CheckContext, all_gather, hide_on_verdict
 from .states import item_digest
 

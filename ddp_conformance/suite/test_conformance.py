@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_label
-from ddp_conformance.plugin import settings_of
+from ddp_conformance.marker import ddp_test
+from ddp_conformance.options import settings_of
 from ddp_conformance.report import CHECK_PROPERTY, TRAINER_PROPERTY
 
 
@@ -29,8 +30,8 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     result for ddp_conformance.report (user properties travel with the report, xdist included)."""
     request.node.user_properties.extend([(TRAINER_PROPERTY, trainer), (CHECK_PROPERTY, check)])
     settings = settings_of(request.config)
-    marker = request.node.get_closest_marker("ddp")
-    timeout = float((marker.kwargs.get("timeout") if marker else None) or settings.timeout)
+    marked = ddp_test(request.node)
+    timeout = marked.timeout if marked is not None else settings.timeout
     return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,
                         stall_after=stall_seconds(timeout))
 

@@ -121,7 +121,7 @@ def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
     # the first pool's rank 1 is sent to another store, so the two ranks can never meet
     pytester.makeconftest(
         """
-        import ddp_conformance.supervisor as supervisor
+        import ddp_conformance.runner.supervisor as supervisor
 
         original = supervisor.RankPool._environment
         pools = []

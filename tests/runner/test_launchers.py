@@ -67,7 +67,7 @@ def test_under_torchrun_ranks_agree_and_rank0_reports(pytester: pytest.Pytester)
                                  "error in setup:*", "*data.bin missing on this node*"])
     result.stdout.fnmatch_lines(["*the launcher started 2 ranks; this test needs 3*",
                                  "*2 failed, 4 passed, 1 skipped*"])
-    assert "ddp_conformance.rank" not in out
+    assert "ddp_conformance.runner.rank" not in out
     assert (pytester.path / "out.xml").exists()
 
 

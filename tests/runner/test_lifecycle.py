@@ -16,8 +16,8 @@ from tests.helpers import live_ranks
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
 NEVER_SPAWN = """
-import ddp_conformance.supervisor as supervisor
-import ddp_conformance.zygote as zygote
+import ddp_conformance.runner.supervisor as supervisor
+import ddp_conformance.runner.zygote as zygote
 
 def _refuse(self, *args, **kwargs):
     raise AssertionError("a process was spawned although the test had to be skipped in the parent")

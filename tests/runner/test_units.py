@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_conformance.messages import FAILED, PASSED, RankReply
-from ddp_conformance.supervisor import PoolRun, RankEnd, RankPool
-from ddp_conformance.verdict import diagnose_hang, judge
+from ddp_conformance.runner.protocol import FAILED, PASSED, PoolRun, RankEnd, RankReply
+from ddp_conformance.runner.supervisor import RankPool
+from ddp_conformance.runner.verdict import diagnose_hang, judge
 
 STACK_BARRIER = '''Current thread 0x01 (most recent call first):
   File "/usr/lib/site-packages/torch/distributed/distributed_c10d.py", line 5356 in barrier
@@ -60,7 +60,7 @@ def test_a_pool_out_of_step_is_poisoned() -> None:
 def test_an_error_signature_ignores_what_differs_between_ranks() -> None:
     import tempfile
 
-    from ddp_conformance.verdict import cap_output, error_signature
+    from ddp_conformance.runner.verdict import cap_output, error_signature
 
     tmp = tempfile.gettempdir()
     one = f"rank 0 (pid 4121): <Obj at 0x7f3a2c> value 0.1234 in {tmp}/shard0-abc12/x.pt, line 12"
@@ -85,7 +85,7 @@ def test_ranks_with_the_same_error_merge_under_one_representative() -> None:
 
 
 def test_a_huge_rank_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
-    from ddp_conformance.supervisor import OUTPUT_KEEP_BYTES, OUTPUT_READ_BYTES, RankProcess
+    from ddp_conformance.runner.process import OUTPUT_KEEP_BYTES, OUTPUT_READ_BYTES, RankProcess
 
     log = tmp_path / "rank0.log"
     log.write_bytes(b"old\n" + b"h" * OUTPUT_KEEP_BYTES + b"x" * OUTPUT_READ_BYTES + b"t" * OUTPUT_KEEP_BYTES)
@@ -100,7 +100,7 @@ def test_local_module_index_sees_new_modules_and_is_kept_otherwise(tmp_path: Pat
     import sys
     import types
 
-    from ddp_conformance.session import _LocalModuleIndex
+    from ddp_conformance.runner.spawned import _LocalModuleIndex
 
     index = _LocalModuleIndex()
     first = index(tmp_path)

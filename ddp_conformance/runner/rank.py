@@ -1,6 +1,6 @@
 """The worker side: a rank process that joins the group once and then runs test after test.
 
-A rank is either exec'd (`python -m ddp_conformance.rank`) or forked by the zygote, which has torch
+A rank is either exec'd (`python -m ddp_conformance.runner.rank`) or forked by the zygote, which has torch
 imported already; both end up in `serve()`, configured entirely by the environment the pool set.
 Everything that can make a rank outlive pytest is settled first: the parent-death signal, and a check
 that the parent did not die before it was set.
@@ -63,7 +63,7 @@ def serve() -> int:
     faulthandler.enable(file=sys.stderr, all_threads=True)
     stacks = open(os.environ["DDP_CONFORMANCE_STACK_FILE"], "w")  # noqa: SIM115 - lives with the rank
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
-    from .messages import Hello, Ready, Stop, receive, send
+    from .protocol import Hello, Ready, Stop, receive, send
 
     channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
     send(channel, Hello(rank=int(os.environ["RANK"]), pid=os.getpid()))

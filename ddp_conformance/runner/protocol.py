@@ -1,4 +1,6 @@
-"""What crosses the pipes between the parent and its ranks.
+"""The wire types of the runner: what crosses the pipes between the parent and its ranks, and what
+the parent learns from one run of a test (`PoolRun`, results keyed by rank). Both sides import this
+module and nothing else of each other.
 
 Data flows one way: the parent sends a test reference (`Task`), every rank runs it and answers once
 (`RankReply`). Both are pickled with the standard pickler on purpose: torch registers shared-memory
@@ -11,9 +13,14 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Final, Literal
 
-PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+Outcome = Literal["passed", "failed", "skipped", "xfailed"]
+PASSED: Final = "passed"
+FAILED: Final = "failed"
+SKIPPED: Final = "skipped"
+XFAILED: Final = "xfailed"
+EndKind = Literal["crashed", "hung"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ class RankReply:
     """One rank's outcome of one task."""
 
     rank: int
-    outcome: str
+    outcome: Outcome
     longrepr: str = ""
     shortrepr: str = ""
     message: str = ""
@@ -99,6 +106,38 @@ class RankReply:
     group_healthy: bool = True
     health_note: str = ""
     sequence: int | None = None
+
+
+@dataclass
+class RankEnd:
+    """How one rank ended a task when it sent no reply: crashed, or stuck and then killed."""
+
+    rank: int
+    kind: EndKind
+    detail: str
+    stack: str = ""
+
+
+@dataclass
+class PoolRun:
+    """Everything the pool learned from one task, keyed by rank."""
+
+    replies: dict[int, RankReply] = field(default_factory=dict)
+    ends: dict[int, RankEnd] = field(default_factory=dict)
+    output: dict[int, str] = field(default_factory=dict)
+    timed_out: bool = False
+    arrival: list[int] = field(default_factory=list)  # ranks in the order their answer or end came
+
+    @property
+    def poisoned(self) -> bool:
+        """Whether the group can serve another test: any crash or hang, or a rank that says its group
+        is out of step (sequence numbers differ, the group was destroyed, threads left behind)."""
+        if self.ends:
+            return True
+        if any(not reply.group_healthy for reply in self.replies.values()):
+            return True
+        sequences = {reply.sequence for reply in self.replies.values()}
+        return len(sequences) > 1
 
 
 def encode(message: object) -> bytes:

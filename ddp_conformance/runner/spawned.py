@@ -1,4 +1,5 @@
-"""The controller (pytest-xdist's dsession): one per pytest process, owning its warm pools.
+"""The controller of spawned mode (pytest-xdist's `DSession`): one per pytest process, owning its
+warm pools.
 
 It turns a collected test into a `Task`, hands it to the pool of the test's (world size, backend),
 judges the answers, and rebuilds a pool whenever a test may have poisoned its group.
@@ -8,23 +9,30 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
 from .builtin_fixtures import parent_stand_in, unpicklable_message
 from .context import DdpPlan
+from .controller import skip_at_item
 from .introspection import conftests_of, recipe_of
-from .messages import FAILED, Task
-from .options import Settings
-from .supervisor import PoolRun, PoolStartError, RankPool
-from .verdict import Verdict, judge, prefixed_output
+from .protocol import FAILED, SKIPPED, XFAILED, Task
+from .supervisor import PoolStartError, RankPool
+from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, prefixed_output
 from .zygote import Zygote
+
+if TYPE_CHECKING:
+    from ..marker import DdpTest
+    from ..options import Settings
 
 MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
 
@@ -39,13 +47,19 @@ class Dispatch:
 
     verdict: Verdict
     output: str
-    run: PoolRun | None
     notes: list[str] = field(default_factory=list)
 
 
-class DistributedSession:
+PLAN_KEY = pytest.StashKey[DdpPlan]()
+
+
+class PoolController:
+    """Spawned mode: marked tests run on warm rank pools this process starts and owns."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._previous_sigterm: tuple[Any] | None = None  # (handler,) once ours is installed
+        self._active = False
         self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
         self._hardware: Hardware | None = None
         self._zygote: Zygote | None = None
@@ -53,6 +67,93 @@ class DistributedSession:
         self.longest_timeout = settings.timeout  # raised to the longest marked test's at collection
         self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
 
+    # -- the controller's face (see controller.Controller) ----------------------------------------
+    def collection_finished(self, tests: Sequence[DdpTest]) -> None:
+        """Start the first pools early. Under xdist a worker does not know which tests it will get,
+        so it starts only the first shape."""
+        sizes: list[int] = []
+        for test in tests:
+            if test.world_size not in sizes:
+                sizes.append(test.world_size)
+        if sizes:
+            self._activate()
+            self.longest_timeout = max([self.longest_timeout, *(test.timeout for test in tests)])
+            self.prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
+
+    def session_started(self, config: pytest.Config) -> None:
+        pass
+
+    def setup(self, item: pytest.Item, test: DdpTest) -> None:
+        """Decide the backend, and any skip that can be known here, before fixtures run or ranks spawn."""
+        self._activate()
+        placement = self.place(test.world_size)
+        if placement.skip_reason:
+            skip_at_item(placement.skip_reason)
+        item.stash[PLAN_KEY] = DdpPlan(world_size=test.world_size, backend=placement.backend)
+
+    def fixture_value(self, item: pytest.Item, test: DdpTest | None) -> DdpPlan:
+        """In the parent the `ddp` fixture is the plan; each rank receives its own `DdpContext`."""
+        plan = item.stash.get(PLAN_KEY, None)
+        if plan is None:
+            pytest.fail(f"{item.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp", pytrace=False)
+        return plan
+
+    def call(self, item: pytest.Function, test: DdpTest) -> bool | None:
+        plan = item.stash.get(PLAN_KEY, None)
+        if plan is None:
+            return None
+        try:
+            dispatch = self.run(item, plan, test.timeout)
+        except UnpicklableFixture as exc:
+            problem = str(exc)
+        else:
+            problem = None
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)
+        if dispatch.notes:
+            item.add_report_section("call", "ddp pool", "\n".join(dispatch.notes))
+        if dispatch.output:
+            item.add_report_section("call", "output (ranks)", dispatch.output)
+        verdict = dispatch.verdict
+        for key, value in verdict.figures.get(0, {}).items():
+            item.user_properties.append((key, value))
+        if verdict.outcome == SKIPPED:
+            pytest.skip(verdict.headline)
+        if verdict.outcome == XFAILED:
+            pytest.xfail(verdict.headline)
+        if verdict.failing_ranks or verdict.outcome == FAILED:
+            raise failure_exception(verdict.render(), verdict.exc_type)
+        return True
+
+    def teardown(self, item: pytest.Item, test: DdpTest) -> None:
+        pass
+
+    def report(self, item: pytest.Item, test: DdpTest, call: pytest.CallInfo[None],
+               report: pytest.TestReport) -> None:
+        """A failed distributed test is reported by its verdict, not by the parent's traceback."""
+        if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
+            report.longrepr = call.excinfo.value.verdict_text
+
+    def _activate(self) -> None:
+        """While ranks run, SIGTERM (a CI runner cancelling the job) ends pytest like Ctrl-C: the
+        session unwinds, the pools are killed, pytest exits non-zero with one line instead of dying
+        with ranks mid-test. Installed with the first pool, put back at the end of the session."""
+        if self._active:
+            return
+        self._active = True
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous not in (signal.SIG_DFL, None):
+            return
+
+        def interrupt(signum: int, _frame: Any) -> None:
+            raise KeyboardInterrupt(f"pytest received {signal.Signals(signum).name}")
+
+        signal.signal(signal.SIGTERM, interrupt)
+        self._previous_sigterm = (previous,)
+
+    # -- pools -----------------------------------------------------------------------------------
     def zygote(self) -> Zygote | None:
         """The session's fork server, started on first need; None means exec each rank (the fallback
         when it cannot start, or when DDP_CONFORMANCE_SPAWN=exec asks for it)."""
@@ -153,7 +254,7 @@ class DistributedSession:
                 pool = self.pool(plan.world_size, plan.backend)
         except PoolStartError as exc:
             verdict = Verdict(FAILED, headline=str(exc).splitlines()[0], body="\n".join(str(exc).splitlines()[1:]))
-            return Dispatch(verdict, "", None, notes)
+            return Dispatch(verdict, "", notes)
         try:
             run = pool.run(task, timeout)
         except BaseException:
@@ -162,7 +263,7 @@ class DistributedSession:
         self.last_test[(plan.world_size, plan.backend)] = item.nodeid
         if run.poisoned:
             self.discard(plan.world_size, plan.backend)
-        return Dispatch(judge(run, plan.world_size), prefixed_output(run), run, notes)
+        return Dispatch(judge(run, plan.world_size), prefixed_output(run), notes)
 
     def close(self) -> None:
         while self.pools:
@@ -171,6 +272,9 @@ class DistributedSession:
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm[0])
+            self._previous_sigterm = None
 
 
 def make_task(item: pytest.Function) -> Task:

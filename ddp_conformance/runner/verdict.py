@@ -16,8 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply
-from .supervisor import PoolRun, RankEnd
+from .protocol import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
 
 
 def ranks_label(ranks: list[int]) -> str:
@@ -27,7 +26,7 @@ def ranks_label(ranks: list[int]) -> str:
 
 @dataclass
 class Verdict:
-    outcome: str
+    outcome: Outcome
     headline: str = ""
     body: str = ""
     failing_ranks: list[int] = field(default_factory=list)

@@ -22,7 +22,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from .messages import Exited, Fork, Forked, Ready, receive, send
+from .protocol import Exited, Fork, Forked, Ready, receive, send
 
 # what a rank needs to join a group and run a test: imported before the zygote says it is ready
 PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
@@ -45,7 +45,7 @@ class Zygote:
         self.log_path = os.path.join(self.log_dir, "zygote.log")
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ddp_conformance.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "ddp_conformance.runner.zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
             )

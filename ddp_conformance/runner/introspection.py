@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from .messages import ConfigRecipe
+from .protocol import ConfigRecipe
 
 CONFTEST = "conftest.py"
 # the parent's options that must not reach the rank's Config: the rank never runs a session, and

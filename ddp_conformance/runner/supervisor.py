@@ -15,18 +15,17 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Protocol
 
-from .messages import Hello, RankReply, Ready, Stop, Task, encode, receive, send
+from .handshake import DiedWhileStarting, Handshake, StartTimeout
+from .process import ProcessHandle, RankProcess
+from .protocol import FAILED, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
 from .zygote import ForkedRank, Zygote
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -35,125 +34,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
 FAILURE_GRACE_SECONDS = 5.0
 STOP_GRACE_SECONDS = 5.0
-OUTPUT_READ_BYTES = 4 << 20  # a rank's output of one test read whole up to this size...
-OUTPUT_KEEP_BYTES = 256 << 10  # ...beyond it, only this much of its head and of its tail
 
 
 class PoolStartError(Exception):
     """The ranks did not all come up; the message says which and why."""
-
-
-class ProcessHandle(Protocol):
-    """What the supervisor needs of a rank process: `subprocess.Popen`, or a zygote's `ForkedRank`."""
-
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def kill(self) -> None: ...
-
-
-@dataclass
-class RankProcess:
-    rank: int
-    popen: ProcessHandle
-    log_path: Path
-    stack_path: Path
-    sentinel: int | None
-    conn: Connection | None = None  # set when the rank says hello on the pool's socket
-    log_offset: int = 0
-    log_fd: int | None = None  # kept open: reopening four logs per test cost more than the test
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def exit_description(self) -> str:
-        code = self.popen.poll()
-        if code is None:
-            return "still running"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            return f"killed by {name} ({-code})"
-        return f"exit code {code}"
-
-    def _log(self) -> int | None:
-        if self.log_fd is None:
-            with contextlib.suppress(OSError):
-                self.log_fd = os.open(self.log_path, os.O_RDONLY)
-        return self.log_fd
-
-    def output_since(self, offset: int) -> str:
-        """What the rank printed from `offset` on, read through the log kept open; beyond
-        OUTPUT_READ_BYTES only its first and last OUTPUT_KEEP_BYTES (the report keeps a head and a
-        tail of it anyway)."""
-        fd, size = self._log(), self.log_size()
-        if size - offset <= OUTPUT_READ_BYTES:
-            return self._read(fd, offset, size).decode("utf-8", "replace")
-        head = self._read(fd, offset, offset + OUTPUT_KEEP_BYTES)
-        tail = self._read(fd, size - OUTPUT_KEEP_BYTES, size)
-        cut = size - offset - 2 * OUTPUT_KEEP_BYTES
-        return f"{head.decode('utf-8', 'replace')}\n... {cut} bytes cut ...\n{tail.decode('utf-8', 'replace')}"
-
-    @staticmethod
-    def _read(fd: int | None, start: int, end: int) -> bytes:
-        chunks: list[bytes] = []
-        with contextlib.suppress(OSError):
-            while fd is not None and start < end and (chunk := os.pread(fd, end - start, start)):
-                chunks.append(chunk)
-                start += len(chunk)
-        return b"".join(chunks)
-
-    def log_size(self) -> int:
-        fd = self._log()
-        try:
-            return os.fstat(fd).st_size if fd is not None else 0
-        except OSError:
-            return 0
-
-    def close_log(self) -> None:
-        if self.log_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.log_fd)
-            self.log_fd = None
-
-
-@dataclass
-class RankEnd:
-    """How one rank ended a task when it sent no reply: crashed, or stuck and then killed."""
-
-    rank: int
-    kind: str  # "crashed" | "hung"
-    detail: str
-    stack: str = ""
-
-
-@dataclass
-class PoolRun:
-    """Everything the pool learned from one task, in rank order."""
-
-    replies: dict[int, RankReply] = field(default_factory=dict)
-    ends: dict[int, RankEnd] = field(default_factory=dict)
-    output: dict[int, str] = field(default_factory=dict)
-    timed_out: bool = False
-    duration: float = 0.0
-    arrival: list[int] = field(default_factory=list)  # ranks in the order their answer or end came
-
-    @property
-    def poisoned(self) -> bool:
-        """Whether the group can serve another test: any crash or hang, or a rank that says its group
-        is out of step (sequence numbers differ, the group was destroyed, threads left behind)."""
-        if self.ends:
-            return True
-        if any(not reply.group_healthy for reply in self.replies.values()):
-            return True
-        sequences = {reply.sequence for reply in self.replies.values()}
-        return len(sequences) > 1
 
 
 class _Watch:
@@ -226,10 +110,8 @@ class RankPool:
         # the group, decides when a test has hung
         self.group_timeout = max(group_timeout or 0.0, start_timeout, 30.0)
         self.ready = False
-        self.started_in = 0.0
         self._launched_at = 0.0
-        self._listener: socket.socket | None = None
-        self._address = ""
+        self._handshake: Handshake | None = None
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -245,7 +127,7 @@ class RankPool:
             self.workdir = Path(tempfile.mkdtemp(prefix="ddpc-", dir="/tmp"))
         store = self.workdir / "store"
         try:
-            self._listen()
+            self._handshake = Handshake(self.workdir, backlog=self.world_size)
             for rank in range(self.world_size):
                 self.ranks.append(self._spawn(rank, store))
         except BaseException:
@@ -261,33 +143,23 @@ class RankPool:
             self.kill()
             raise
         self.ready = True
-        self.started_in = time.monotonic() - self._launched_at
 
-    def _listen(self) -> None:
-        """The pool's socket, which every rank connects to: a path inside the pool's private (0700)
-        directory, so no other user can reach it, and on Linux only the pool's own rank pids are
-        accepted (SO_PEERCRED). Nothing a stranger sends is ever unpickled."""
-        assert self.workdir is not None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._address = str(self.workdir / "pool.sock")
-        sock.bind(self._address)
-        sock.listen(self.world_size)
-        self._listener = sock
-
-    def _accept(self) -> tuple[Connection, int | None] | None:
-        """A rank's connection and its rank (from its pid, where the kernel tells), or None for a
-        connection that is not one of ours (closed unread)."""
-        assert self._listener is not None
-        client, _ = self._listener.accept()
-        peer_credentials = getattr(socket, "SO_PEERCRED", None)
-        if peer_credentials is None:
-            return Connection(client.detach()), None  # the 0700 directory is the only gate here
-        pid = struct.unpack("3i", client.getsockopt(socket.SOL_SOCKET, peer_credentials, struct.calcsize("3i")))[0]
-        for proc in self.ranks:
-            if proc.popen.pid == pid and proc.conn is None:
-                return Connection(client.detach()), proc.rank
-        client.close()
-        return None
+    def _await_ready(self, deadline: float) -> None:
+        """Every rank's hello, then its word that it joined the group; a start failure names why."""
+        assert self._handshake is not None
+        try:
+            self._handshake.await_ready(self.ranks, deadline)
+        except StartTimeout as late:
+            stacks = self.dump_stacks(late.waiting)
+            lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in late.waiting]
+            for rank, stack in stacks.items():
+                lines.append(f"rank {rank} stack:\n{stack}")
+            raise PoolStartError(self._start_failure("\n".join(lines))) from None
+        except DiedWhileStarting as died:
+            detail = died.proc.exit_description()
+            raise PoolStartError(self._start_failure(f"rank {died.proc.rank} died while starting ({detail})")) from None
+        finally:
+            self._handshake = None
 
     def _environment(self, rank: int, store: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -301,7 +173,7 @@ class RankPool:
             MASTER_ADDR="127.0.0.1",
             PYTHONUNBUFFERED="1",
             DDP_CONFORMANCE_STORE=str(store),
-            DDP_CONFORMANCE_SOCKET=self._address,
+            DDP_CONFORMANCE_SOCKET=self._handshake.address if self._handshake else "",
             DDP_CONFORMANCE_STACK_FILE=str(self.workdir / f"rank{rank}.stack") if self.workdir else "",
             DDP_CONFORMANCE_BACKEND=self.backend,
             DDP_CONFORMANCE_PARENT=str(os.getpid()),
@@ -331,7 +203,7 @@ class RankPool:
         else:
             with open(log_path, "wb") as log:
                 handle = subprocess.Popen(
-                    [sys.executable, "-m", "ddp_conformance.rank"],
+                    [sys.executable, "-m", "ddp_conformance.runner.rank"],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True,  # a rank's own children die with it (killpg)
                 )
@@ -339,64 +211,6 @@ class RankPool:
         with contextlib.suppress(AttributeError, OSError):
             sentinel = os.pidfd_open(handle.pid)
         return RankProcess(rank=rank, popen=handle, log_path=log_path, stack_path=stack_path, sentinel=sentinel)
-
-    def _await_ready(self, deadline: float) -> None:
-        """Accept each rank's hello on the pool socket, then wait for every rank to join the group."""
-        assert self._listener is not None
-        by_rank = {proc.rank: proc for proc in self.ranks}
-        strangers: list[Connection] = []
-        waiting = set(by_rank)
-        try:
-            while waiting:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    stacks = self.dump_stacks(sorted(waiting))
-                    lines = [f"rank {r}: no rendezvous within {self.start_timeout:g} s" for r in sorted(waiting)]
-                    for rank, stack in stacks.items():
-                        lines.append(f"rank {rank} stack:\n{stack}")
-                    raise PoolStartError(self._start_failure("\n".join(lines)))
-                for rank in sorted(waiting):
-                    if not by_rank[rank].alive:
-                        detail = by_rank[rank].exit_description()
-                        raise PoolStartError(self._start_failure(f"rank {rank} died while starting ({detail})"))
-                watch: list[object] = [self._listener, *strangers]
-                watch += [by_rank[r].conn for r in waiting if by_rank[r].conn is not None]
-                for ready in wait(watch, timeout=min(remaining, 0.1)):
-                    if ready is self._listener:
-                        accepted = self._accept()
-                        if accepted is None:
-                            continue
-                        conn, known_rank = accepted
-                        if known_rank is None:
-                            strangers.append(conn)
-                        else:
-                            by_rank[known_rank].conn = conn
-                        continue
-                    assert isinstance(ready, Connection)
-                    try:
-                        message = receive(ready)
-                    except (EOFError, OSError):
-                        if ready in strangers:
-                            strangers.remove(ready)
-                        continue  # its exit is picked up on the next pass, with its code
-                    if isinstance(message, Hello) and ready in strangers:
-                        strangers.remove(ready)
-                        if message.rank in by_rank and by_rank[message.rank].conn is None:
-                            by_rank[message.rank].conn = ready
-                        else:
-                            ready.close()
-                    elif isinstance(message, Ready):
-                        waiting.discard(next(r for r, p in by_rank.items() if p.conn is ready))
-        finally:
-            self._close_listener(strangers)
-
-    def _close_listener(self, strangers: Sequence[Connection] = ()) -> None:
-        for conn in strangers:
-            with contextlib.suppress(OSError):
-                conn.close()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
     def _start_failure(self, headline: str) -> str:
         parts = [f"could not start {self.world_size} {self.backend} ranks: {headline}"]
@@ -410,8 +224,7 @@ class RankPool:
     # -- run -----------------------------------------------------------------------------------
     def run(self, task: Task, timeout: float) -> PoolRun:
         """Send one task to every rank and collect one answer (or one end) from each."""
-        began = time.monotonic()
-        deadline = began + timeout
+        deadline = time.monotonic() + timeout
         run = PoolRun()
         payload = encode(task)  # once for all ranks
         for proc in self.ranks:
@@ -441,7 +254,7 @@ class RankPool:
                         run.arrival.append(rank)
                         del pending[rank]
                         watch.forget(proc)
-                        if reply.outcome == "failed" and first_failure is None:
+                        if reply.outcome == FAILED and first_failure is None:
                             first_failure = time.monotonic()
                         continue
                 if rank in ended or ((proc.sentinel is None or rank in readable) and not proc.alive):
@@ -453,7 +266,6 @@ class RankPool:
                     if first_failure is None:
                         first_failure = time.monotonic()
         watch.close()
-        run.duration = time.monotonic() - began
         for proc in self.ranks:
             run.output[proc.rank] = proc.output_since(proc.log_offset)
         return run
@@ -546,7 +358,9 @@ class RankPool:
                 proc.sentinel = None
             proc.close_log()
         self.ranks = []
-        self._close_listener()
+        if self._handshake is not None:
+            self._handshake.close()
+            self._handshake = None
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

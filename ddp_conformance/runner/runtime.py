@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ import pytest
 from .builtin_fixtures import StandIn
 from .context import DdpContext, DdpPlan
 from .introspection import RankAssertions
-from .messages import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
+from .protocol import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
 from .seeds import fresh_seeds
 
 _modules: dict[str, tuple[float, types.ModuleType]] = {}
@@ -264,22 +265,52 @@ def run_task(task: Task) -> RankReply:
     Every line here runs once per test on every rank with cold caches (the ranks share two cores
     with pytest), where it costs several times what a warm loop shows: steps that change nothing
     are skipped."""
+    ctx = context_from_env()
+    threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    with _restored_afterwards():
+        reply = _outcome(task, ctx)
+    _take_figures(reply, ctx)
+    reply.group_healthy, reply.health_note, reply.sequence = _health(threads_before)
+    if ctx.unusable_group:
+        reply.group_healthy, reply.health_note = False, ctx.unusable_group
+    return reply
+
+
+@contextlib.contextmanager
+def _restored_afterwards() -> Iterator[None]:
+    """The rank as the pool left it, after whatever the test did: its working directory and its
+    environment put back, its output flushed into its log."""
     global _pool_environ
     if _pool_environ is None:
         _pool_environ = PoolEnviron()
-    ctx = context_from_env()
     cwd = os.getcwd()
-    threads_before = {t.ident for t in threading.enumerate() if t.ident is not None}
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.chdir(cwd)
+        _pool_environ.restore()
+
+
+def _prepare(task: Task) -> None:
+    """The rank as the parent was for this test: fresh seeds, its sys.path, directory and modules."""
+    fresh_seeds()  # every test finds each rank's RNG as a fresh torchrun process would: its own seeds
+    if sys.path != task.sys_path:
+        sys.path[:] = task.sys_path
+    if task.cwd != os.getcwd():
+        os.chdir(task.cwd)
+    know_local_modules(task.local_modules)
+
+
+def _outcome(task: Task, ctx: DdpContext) -> RankReply:
+    """Import the test, call it with this rank's values, and say how it went."""
+
     reply = RankReply(rank=ctx.rank, outcome=PASSED)
     began = time.perf_counter()
     func = None
     try:
-        fresh_seeds()  # every test finds each rank's RNG as a fresh torchrun process would: its own seeds
-        if sys.path != task.sys_path:
-            sys.path[:] = task.sys_path
-        if task.cwd != cwd:
-            os.chdir(task.cwd)
-        know_local_modules(task.local_modules)
+        _prepare(task)
         with _explained(task):  # builds the rank's pytest Config, so conftests load first, as in the parent
             module = load_module(task.module_path, task.module_name)
             func = resolve(module, task.qualname, pickle.loads(task.instance) if task.instance else None)
@@ -289,25 +320,30 @@ def run_task(task: Task) -> RankReply:
     except pytest.xfail.Exception as exc:
         reply.outcome, reply.message = XFAILED, str(exc.msg)
     except BaseException as exc:
-        reply.outcome = FAILED
-        reply.exc_type = (type(exc).__module__, type(exc).__qualname__)
-        reply.message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        try:
-            reply.longrepr = format_failure(exc, func, task.tbstyle) if func else reply.message
-            reply.shortrepr = format_failure(exc, func, "short") if func else reply.message
-            if isinstance(exc, AssertionError) and _assertions.error:
-                reply.longrepr += f"\n(ddp-conformance: pytest's assertion explanations are unavailable in ranks: " \
-                                  f"{_assertions.error})"
-        except Exception:
-            import traceback
-
-            reply.longrepr = "".join(traceback.format_exception(exc))
+        _record_failure(reply, exc, func, task.tbstyle)
     finally:
         reply.duration = time.perf_counter() - began
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.chdir(cwd)
-        _pool_environ.restore()
+    return reply
+
+
+def _record_failure(reply: RankReply, exc: BaseException, func: Any, tbstyle: str) -> None:
+    reply.outcome = FAILED
+    reply.exc_type = (type(exc).__module__, type(exc).__qualname__)
+    reply.message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    try:
+        reply.longrepr = format_failure(exc, func, tbstyle) if func else reply.message
+        reply.shortrepr = format_failure(exc, func, "short") if func else reply.message
+        if isinstance(exc, AssertionError) and _assertions.error:
+            reply.longrepr += f"\n(ddp-conformance: pytest's assertion explanations are unavailable in ranks: " \
+                              f"{_assertions.error})"
+    except Exception:
+        import traceback
+
+        reply.longrepr = "".join(traceback.format_exception(exc))
+
+
+def _take_figures(reply: RankReply, ctx: DdpContext) -> None:
+    """The test's `ddp.figures` into the reply; one that cannot travel fails the test, naming it."""
     reply.figures = dict(ctx.figures)
     for key, value in list(reply.figures.items()):
         try:
@@ -317,7 +353,3 @@ def run_task(task: Task) -> RankReply:
             reply.outcome = FAILED
             reply.message = f"ddp.figures[{key!r}] cannot be sent back: {type(exc).__name__}: {exc}"
             reply.longrepr = reply.shortrepr = reply.message + " (figures must be picklable: numbers, strings...)"
-    reply.group_healthy, reply.health_note, reply.sequence = _health(threads_before)
-    if ctx.unusable_group:
-        reply.group_healthy, reply.health_note = False, ctx.unusable_group
-    return reply

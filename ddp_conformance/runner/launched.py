@@ -13,13 +13,21 @@ import contextlib
 import os
 import pickle
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from .context import DdpContext
+from .controller import skip_at_item
+from .protocol import FAILED
+from .verdict import ranks_label
+
+if TYPE_CHECKING:
+    from ..marker import DdpTest
+    from ..options import Settings
 
 AGREE_KEY = "ddp-conformance/outcome"
 AGREED_KEY = pytest.StashKey[bool]()
@@ -48,16 +56,51 @@ class LaunchedRank:
                    world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
-class ExternalRanks:
-    """The per-process controller in launcher mode (the counterpart of `DistributedSession`)."""
+class LauncherController:
+    """The controller of launcher mode (the counterpart of `spawned.PoolController`): this pytest
+    process is one rank, and a marked test runs right here, inside the launcher's group."""
 
-    def __init__(self, requested_backend: str, timeout: float) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.me = LaunchedRank.from_env()
-        self.requested_backend = requested_backend
-        self.timeout = timeout
+        self.requested_backend = settings.backend
+        self.timeout = settings.timeout
         self.backend: str | None = None
         self.unusable_reason = ""
         self._seen: dict[str, int] = {}
+
+    # -- the controller's face (see controller.Controller) ----------------------------------------
+    def collection_finished(self, tests: Sequence[DdpTest]) -> None:
+        pass  # nothing to start: the launcher started the ranks
+
+    def session_started(self, config: pytest.Config) -> None:
+        quiet_non_zero_rank_output(config)
+
+    def setup(self, item: pytest.Item, test: DdpTest) -> None:
+        reason = self.skip_reason(test.requested_size) or self.unusable_reason
+        if reason:
+            skip_at_item(reason)
+        self.ensure_group()
+        self.arm_watchdog(test.timeout)
+
+    def fixture_value(self, item: pytest.Item, test: DdpTest | None) -> DdpContext:
+        if test is None:
+            pytest.fail(f"{item.nodeid}: the ddp fixture needs the test marked @pytest.mark.ddp", pytrace=False)
+        context = self.context()
+        item.stash[CONTEXT_KEY] = context  # its figures become the test's properties
+        return context
+
+    def call(self, item: pytest.Function, test: DdpTest) -> bool | None:
+        return None  # the test body runs here, on this rank, as pytest calls it
+
+    def teardown(self, item: pytest.Item, test: DdpTest) -> None:
+        self.disarm_watchdog()
+
+    def report(self, item: pytest.Item, test: DdpTest, call: pytest.CallInfo[None],
+               report: pytest.TestReport) -> None:
+        self.agree_on_report(item, call.when, report)
+
+    def close(self) -> None:
+        self.finish()
 
     def skip_reason(self, world_size: int | None) -> str | None:
         if world_size is not None and world_size != self.me.world_size:
@@ -101,7 +144,7 @@ class ExternalRanks:
         with contextlib.suppress(Exception):  # the silent ranks are reported below
             store.wait(keys, timedelta(seconds=self.timeout))
         for rank, key in enumerate(keys):
-            outcomes[rank] = ("failed", f"did not report within {self.timeout:g} s (hung or dead)")
+            outcomes[rank] = (FAILED, f"did not report within {self.timeout:g} s (hung or dead)")
             with contextlib.suppress(Exception):
                 if store.check([key]):
                     _, their_outcome, their_summary = pickle.loads(store.get(key))
@@ -199,18 +242,18 @@ def quiet_non_zero_rank_output(config: pytest.Config) -> None:
 
 def merge_report(report: Any, me: int, outcomes: dict[int, tuple[str, str]]) -> None:
     """Make this rank's report say what happened on every rank."""
-    failed = sorted(rank for rank, (outcome, _) in outcomes.items() if outcome == "failed")
+    failed = sorted(rank for rank, (outcome, _) in outcomes.items() if outcome == FAILED)
     if not failed:
         return
     others = [rank for rank in failed if rank != me]
     if not others:
         return
-    lines = [f"{'rank' if len(failed) == 1 else 'ranks'} {', '.join(map(str, failed))} failed"]
+    lines = [f"{ranks_label(failed)} failed"]
     for rank in others:
         lines.append(f"{'_' * 20} rank {rank} {'_' * 20}\n{outcomes[rank][1]}")
     text = "\n".join(lines)
     if report.passed or report.skipped:
-        report.outcome = "failed"
+        report.outcome = FAILED
         report.longrepr = text
     else:
         report.sections.append(("other ranks", text))

@@ -1,0 +1,94 @@
+"""The `ddp` marker, parsed and validated once per test into one `DdpTest` that every consumer reads.
+
+`@pytest.mark.ddp(world_size=None, timeout=None)`: world_size an int >= 1 or a list of them (one
+test id each, through the `ddp` fixture's indirect parametrization), timeout a number of seconds.
+A bad value is a usage error at collection, before anything is spawned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .options import settings_of
+
+MARKER_HELP = (
+    "ddp(world_size=None, timeout=None): run the test body on every rank of an initialised process "
+    "group; world_size an int or a list of ints (one test id each), default --ddp-world-size."
+)
+
+
+@dataclass(frozen=True)
+class DdpTest:
+    """What the `ddp` marker of one test asks for."""
+
+    world_size: int  # the ranks it runs on: its own size (or parametrized one), else --ddp-world-size
+    requested_size: int | None  # the size it named itself; None when it takes the session's
+    timeout: float  # its own limit in seconds, else --ddp-timeout
+
+
+_KEY = pytest.StashKey["DdpTest | None"]()
+_UNREAD: Any = object()
+
+
+def _sizes(marker: pytest.Mark, where: str) -> list[int] | None:
+    value = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
+    if value is None:
+        return None
+    sizes = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise pytest.UsageError(
+            f"{where}: @pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got {value!r}"
+        )
+    return sizes
+
+
+def _timeout(marker: pytest.Mark, where: str) -> float | None:
+    value = marker.kwargs.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise pytest.UsageError(f"{where}: @pytest.mark.ddp(timeout=...) expects a number of seconds > 0, "
+                                f"got {value!r}")
+    return float(value)
+
+
+def parametrize(metafunc: pytest.Metafunc) -> None:
+    """Validate the marker at collection and give a test marked with several sizes one id per size."""
+    marker = metafunc.definition.get_closest_marker("ddp")
+    if marker is None:
+        return
+    sizes = _sizes(marker, metafunc.definition.nodeid)
+    _timeout(marker, metafunc.definition.nodeid)
+    if sizes is None or len(sizes) == 1:
+        return
+    # parametrize needs an argument the test requests: the `ddp` fixture, indirectly
+    if "ddp" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("ddp")
+    metafunc.parametrize("ddp", sizes, indirect=True, ids=[f"ws{s}" for s in sizes])
+
+
+def ddp_test(item: pytest.Item) -> DdpTest | None:
+    """The test's parsed marker, None when it is not marked; read once per item (a marker lookup walks
+    the node chain, and a warm distributed test is only a few milliseconds)."""
+    parsed = item.stash.get(_KEY, _UNREAD)
+    if parsed is _UNREAD:
+        parsed = item.stash[_KEY] = _parse(item)
+    return parsed
+
+
+def _parse(item: pytest.Item) -> DdpTest | None:
+    marker = item.get_closest_marker("ddp")
+    if marker is None:
+        return None
+    settings = settings_of(item.config)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "ddp" in callspec.params:
+        requested: int | None = int(callspec.params["ddp"])
+    else:
+        sizes = _sizes(marker, item.nodeid)
+        requested = sizes[0] if sizes else None
+    timeout = _timeout(marker, item.nodeid) or settings.timeout
+    return DdpTest(world_size=requested or settings.world_size, requested_size=requested, timeout=timeout)
