@@ -94,7 +94,7 @@ def test_the_recorded_report_validates_and_broken_ones_do_not() -> None:
         assert list(validator.iter_errors(broken)), "the schema accepted a broken report"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The suite on the torch reference and a mutant that fails the sampler check, two quick checks,
     world size 2, with --ddp-report (and --html when pytest-html is installed)."""

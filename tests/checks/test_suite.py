@@ -51,7 +51,7 @@ def declared(path: Path, name: str, default: Any = _REQUIRED) -> Any:
     raise AssertionError(f"{path.name} does not define {name}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("suite")
     report, junit = workdir / "report.json", workdir / "junit.xml"

@@ -55,7 +55,7 @@ def broken_twin(work: Path, name: str) -> Path:
     return twin
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("lightning_example")
     repo = work / "repo"

@@ -166,7 +166,7 @@ def test_pytestconfig_unpicklable(ddp, pytestconfig):
 '''
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One nested pytest run of TESTS: the outcome and failure text of every test, and its output."""
     root = tmp_path_factory.mktemp("builtin-fixtures")
