@@ -34,13 +34,12 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader
 
 from ..config import RunConfig
 from ..lightning import RNGStateCallback
-from ..resumable import ResumableDataLoader
 from .lightning_adapter import Built, LightningAdapter
-from .torch_ref import IndexedDataset, atomic_save, build_mlp, static_graph
+from .torch_ref import ReferenceData, atomic_save, build_mlp, static_graph
 
 
 class RefModule(pl.LightningModule):
@@ -103,7 +102,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_save(checkpoint, Path(path))
 
 
-class LightningTrainer(LightningAdapter):
+class LightningTrainer(ReferenceData, LightningAdapter):
     """The generic Lightning adapter on `RefModule` + `RefDataModule`."""
 
     name = "lightning"
@@ -116,22 +115,6 @@ class LightningTrainer(LightningAdapter):
     def trainer_arguments(self) -> dict[str, Any]:
         """What the reference's own training script would pass to its Trainer."""
         return {"callbacks": [RNGStateCallback()]}
-
-    # --- data: the torch reference's, honouring a requested size ------------------------------------
-
-    def make_dataset(self, size: int | None = None) -> Dataset:
-        data, model = self.config.data, self.config.model
-        return IndexedDataset(size or data.size, model.input_dim, model.num_classes, data.seed)
-
-    def make_sampler(self, dataset: Dataset, rank: int, world_size: int) -> Sampler:
-        data = self.config.data
-        return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle,
-                                  seed=data.seed, drop_last=data.drop_last)
-
-    def build_loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.config.data.seed)
-        return ResumableDataLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
-                                   generator=generator)
 
     # --- the reference's own choices ----------------------------------------------------------------
 

@@ -176,7 +176,28 @@ def barrier() -> None:
 # The adapter
 
 
-class TorchTrainer(TrainerAdapter):
+class ReferenceData:
+    """The data both references train on (the Lightning reference too): the config's synthetic
+    dataset, a DistributedSampler, and a loader that resumes mid-epoch with its own generator."""
+
+    config: RunConfig
+
+    def make_dataset(self, size: int | None = None) -> Dataset:
+        data, model = self.config.data, self.config.model
+        return IndexedDataset(size or data.size, model.input_dim, model.num_classes, data.seed)
+
+    def make_sampler(self, dataset: Dataset, rank: int, world_size: int) -> Sampler:
+        data = self.config.data
+        return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle,
+                                  seed=data.seed, drop_last=data.drop_last)
+
+    def build_loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.config.data.seed)
+        return ResumableDataLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
+                                   generator=generator)
+
+
+class TorchTrainer(ReferenceData, TrainerAdapter):
     """A plain-torch DDP trainer and its adapter in one. See the module docstring."""
 
     name = "torch"
@@ -193,21 +214,7 @@ class TorchTrainer(TrainerAdapter):
         scaler_on = config.trainer.precision == "16-mixed" and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if scaler_on else None
 
-    # --- data ------------------------------------------------------------------------------------
-
-    def make_dataset(self, size: int | None = None) -> Dataset:
-        data, model = self.config.data, self.config.model
-        return IndexedDataset(size or data.size, model.input_dim, model.num_classes, data.seed)
-
-    def make_sampler(self, dataset: Dataset, rank: int, world_size: int) -> Sampler:
-        data = self.config.data
-        return DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=data.shuffle,
-                                  seed=data.seed, drop_last=data.drop_last)
-
-    def build_loader(self, dataset: Dataset, sampler: Sampler) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.config.data.seed)
-        return ResumableDataLoader(dataset, batch_size=self.config.data.batch_size, sampler=sampler,
-                               generator=generator)
+    # --- data: ReferenceData's, plus set_epoch and the helpers below -----------------------------
 
     def set_epoch(self, loader: DataLoader, epoch: int) -> None:
         sampler = loader.sampler
