@@ -198,6 +198,8 @@ class FitRecorder:
 
         def __iter__(loader: Any) -> Any:
             recorder.record.passes.append(_new_pass(loader))
+            if recorder.listener is not None and hasattr(recorder.listener, "heartbeat"):
+                recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
             return original(loader)
 
         return __iter__

@@ -94,6 +94,11 @@ class ProgressObserver(FitObserver):
         p.state, p.finished, p.last = "between", p.finished + 1, asdict(info)
         self.write()
 
+    def heartbeat(self) -> None:
+        """The fit is alive (a loader pass began, the adapter reported something): only the sequence
+        number moves, so the hang watchdog waits, and no micro-batch is counted."""
+        self.write()
+
     def end(self, error: BaseException | None, extra: dict[str, Any] | None = None) -> None:
         p = self.progress
         p.state = "error" if error is not None else "done"
@@ -104,13 +109,20 @@ class ProgressObserver(FitObserver):
 
 
 class LossTap(FitObserver):
-    """What the adapter is handed as its observer: the losses it reports reach `inner`; its
-    `before_step`/`after_step` calls count nothing (the recorder counts from the fit's own hooks)."""
+    """What the adapter is handed as its observer: the losses it reports reach `inner`; its calls
+    count nothing (the recorder counts from the fit's own hooks) but show the fit is alive."""
 
-    def __init__(self, inner: FitObserver | None) -> None:
-        self.inner = inner
+    def __init__(self, inner: FitObserver | None, progress: ProgressObserver) -> None:
+        self.inner, self.progress = inner, progress
+
+    def on_wrapped(self, model: Any) -> None:
+        self.progress.heartbeat()
+
+    def before_step(self, info: StepInfo) -> None:
+        self.progress.heartbeat()
 
     def after_step(self, info: StepInfo) -> None:
+        self.progress.heartbeat()
         if self.inner is not None and info.loss is not None:
             self.inner.after_step(info)
 
@@ -193,7 +205,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
             # adapter's observer calls, if it makes any, only add the losses it reports
             with FitRecorder(listener=observer, rank=ctx.rank) as recorder:
                 ctx.recordings[label] = recorder.record
-                result = call(LossTap(inner))
+                result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)
         except BaseException as exc:  # reported to the watching thread
             box["error"] = exc
