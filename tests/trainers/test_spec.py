@@ -136,12 +136,7 @@ def test_bad_specs_are_one_line_naming_the_spec(tmp_path, clean_imports, spec, r
         "broken.py": "def oops(:\n",
         "imports_missing.py": "import not_a_module_anywhere\n",
     })
-    with pytest.raises(SpecError) as caught:
-        resolve_spec(spec, root)
-    message = str(caught.value)
-    assert "\n" not in message
-    assert message.startswith(f"trainer SPEC {spec!r}: ")
-    assert reason in message
+    assert_one_line_spec_error(spec, root, reason)
 
 
 def test_not_provided_is_the_default_for_everything_but_setup():
@@ -238,12 +233,7 @@ def test_lightning_specs_name_a_module_and_a_datamodule_or_a_factory(tmp_path, l
 )
 def test_bad_lightning_specs_are_one_line_naming_the_spec(tmp_path, lightning_loaded, clean_imports, spec, reason):
     root = project(tmp_path, {"model.py": LIGHTNING_CLASSES})
-    with pytest.raises(SpecError) as caught:
-        resolve_spec(spec, root)
-    message = str(caught.value)
-    assert "\n" not in message
-    assert message.startswith(f"trainer SPEC {spec!r}: ")
-    assert reason in message
+    assert_one_line_spec_error(spec, root, reason)
 
 
 def test_a_factory_that_returns_something_else_is_one_line(lightning_loaded):
@@ -252,3 +242,13 @@ def test_a_factory_that_returns_something_else_is_one_line(lightning_loaded):
     with pytest.raises(TypeError, match=r"^trainer SPEC 'lightning:x.py:make': the factory returned a tuple of int, "
                                         r"str; expected a LightningModule, \(module, datamodule\) or"):
         unpack((1, "a"), "lightning:x.py:make")
+
+
+def assert_one_line_spec_error(spec: str, root, reason: str) -> None:
+    """A bad SPEC stops with one line that names the SPEC and says why."""
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(spec, root)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"trainer SPEC {spec!r}: ")
+    assert reason in message
