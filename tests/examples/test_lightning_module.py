@@ -23,8 +23,6 @@ import pytest
 
 from ddp_conformance.checks import CHECK_IDS
 
-# one xdist worker runs all of these, so the nested session (the module fixture) runs once
-pytestmark = pytest.mark.xdist_group("lightning-example")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_module"
 DEMOS = "lightning.pytorch.demos.boring_classes"
@@ -55,7 +53,7 @@ def broken_twin(work: Path, name: str) -> Path:
     return twin
 
 
-@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
+@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("lightning_example")
     repo = work / "repo"

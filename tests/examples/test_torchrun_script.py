@@ -10,12 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 FIT = "--steps {steps} --ckpt-dir {checkpoint_dir} --ckpt-every {checkpoint_at}"
 RESUME = "--steps {steps} --resume {checkpoint}"
-pytestmark = pytest.mark.xdist_group("torchrun-script")
 
 
 def test_a_script_is_checked_by_its_command_line_and_its_broken_twin_is_red(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from ddp_conformance.runner.builtin_fixtures import RankCapture, warnings_recorder
 
-pytestmark = [pytest.mark.usefixtures("no_orphans"), pytest.mark.xdist_group("builtin-fixtures")]
+pytestmark = pytest.mark.usefixtures("no_orphans")
 
 TESTS = r'''
 import logging
@@ -166,7 +166,7 @@ def test_pytestconfig_unpicklable(ddp, pytestconfig):
 '''
 
 
-@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
+@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One nested pytest run of TESTS: the outcome and failure text of every test, and its output."""
     root = tmp_path_factory.mktemp("builtin-fixtures")
