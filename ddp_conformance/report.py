@@ -6,7 +6,7 @@ properties are rank 0's `ddp.figures` (which the plugin also writes to JUnit XML
 items, are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the
 controller, which alone prints the matrix and writes the JSON. No torch, no checks imported here.
 
-JSON shape: {"schema_version": 1, "world_size": N, "backend": "...", "results": [{"trainer", "check",
+JSON shape: {"schema_version": 2, "world_size": N, "backend": "...", "results": [{"trainer", "check",
 "outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]}, described field by field by
 the JSON Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full
 verdict on failure (the headline pytest shows is clipped), the reason on skip, "" on pass.
@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 TRAINER_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_check"
-SCHEMA_VERSION = 1  # of report.schema.json: raised when a field is removed, renamed or changes meaning
+VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra attribute: it crosses xdist)
+SCHEMA_VERSION = 2  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
 TRAINER_WIDTH = 24  # longer trainer labels wrap inside their column
 GAP = 2
@@ -45,11 +46,32 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _message(report: pytest.TestReport, figures: dict[str, Any]) -> str:
+CHECK_FAILED = ("ddp_conformance.checks.base", "CheckFailed")  # named, not imported: no torch here
+
+
+def check_verdict(exc: BaseException) -> str | None:
+    """A failed check's verdict, whole, from the exception pytest saw: the CheckFailed itself where
+    the test ran in this process (torchrun), else the pool's failure, which carries the first failing
+    rank's exception type and one-line message (its headline clips long verdicts)."""
+    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
+    rank_type = getattr(exc, "rank_exc_type", None)
+    if CHECK_FAILED not in raised and rank_type != CHECK_FAILED:
+        return None
+    message = getattr(exc, "rank_message", "") if rank_type == CHECK_FAILED else str(exc)
+    return message.removeprefix(f"{CHECK_FAILED[1]}: ")
+
+
+def _is_result(report: pytest.TestReport) -> bool:
+    """The report that holds a check's outcome: its call, or a setup that did not pass."""
+    return report.when == "call" or (report.when == "setup" and not report.passed)
+
+
+def _message(report: pytest.TestReport) -> str:
     if report.passed:
         return ""
-    if report.failed and figures.get("verdict"):
-        return str(figures["verdict"])
+    verdict = getattr(report, VERDICT_ATTRIBUTE, None)
+    if report.failed and verdict:
+        return str(verdict)
     longrepr = report.longrepr
     if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, lineno, reason)
         return str(longrepr[2]).removeprefix("Skipped: ")
@@ -61,20 +83,39 @@ class ConformanceReport:
     """One session's conformance results: collected from reports, shown and written at the end.
     A plugin object per pytest config, so nested in-process sessions (pytester) keep their own."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, html: Any = None) -> None:
         self.config = config
+        self.html = html  # pytest_html, when it is installed and writing a page
         self.results: list[dict[str, Any]] = []
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        """A failed check's verdict onto its report (read back in `pytest_runtest_logreport`, in
+        the xdist controller too); with pytest-html, the verdict and figures on the test's row
+        through pytest-html's documented `report.extras`."""
+        report = yield
+        properties = dict(report.user_properties)
+        if CHECK_PROPERTY not in properties or not _is_result(report):
+            return report
+        verdict = check_verdict(call.excinfo.value) if call.excinfo is not None else None
+        if verdict:
+            setattr(report, VERDICT_ATTRIBUTE, verdict)
+        if self.html is not None:
+            trainer, check = properties.pop(TRAINER_PROPERTY), properties.pop(CHECK_PROPERTY)
+            extras = self.html.extras
+            figures = _jsonable(properties)
+            row = _html_figures(trainer, check, figures, verdict)
+            report.extras = [*getattr(report, "extras", []), extras.html(row), extras.json(figures, name="figures")]
+        return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         properties = dict(report.user_properties)
-        if CHECK_PROPERTY not in properties:
-            return
-        if not (report.when == "call" or (report.when == "setup" and not report.passed)):
+        if CHECK_PROPERTY not in properties or not _is_result(report):
             return
         trainer, check = str(properties.pop(TRAINER_PROPERTY)), str(properties.pop(CHECK_PROPERTY))
         figures = _jsonable(properties)
         self.results.append({"trainer": trainer, "check": check, "outcome": report.outcome, "figures": figures,
-                             "message": _message(report, figures)})
+                             "message": _message(report)})
 
     def document(self) -> dict[str, Any]:
         """The JSON report. World size and backend come from the results' figures (what the ranks
@@ -114,9 +155,8 @@ class ConformanceReport:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(ConformanceReport(config), "ddp-conformance-report")
-    if config.getoption("htmlpath", None) and _pytest_html() is not None:
-        config.pluginmanager.register(HtmlExtras(), "ddp-conformance-html")
+    html = _pytest_html() if config.getoption("htmlpath", None) else None
+    config.pluginmanager.register(ConformanceReport(config, html), "ddp-conformance-report")
 
 
 def schema() -> dict[str, Any]:
@@ -132,30 +172,12 @@ def _pytest_html() -> Any:
     return pytest_html
 
 
-class HtmlExtras:
-    """Registered only when pytest-html is installed and writing a report: puts each conformance
-    test's verdict and figures on its row, through pytest-html's documented `report.extras`."""
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-        report = yield
-        properties = dict(report.user_properties)
-        if CHECK_PROPERTY in properties and (report.when == "call" or (report.when == "setup" and report.failed)):
-            extras = _pytest_html().extras
-            trainer, check = properties.pop(TRAINER_PROPERTY), properties.pop(CHECK_PROPERTY)
-            figures = _jsonable(properties)
-            report.extras = [*getattr(report, "extras", []), extras.html(_html_figures(trainer, check, figures)),
-                             extras.json(figures, name="figures")]
-        return report
-
-
-def _html_figures(trainer: str, check: str, figures: dict[str, Any]) -> str:
+def _html_figures(trainer: str, check: str, figures: dict[str, Any], verdict: str | None) -> str:
     """The verdict (if any) over a table of every figure, for the report row."""
     from html import escape
 
     rows = "".join(f"<tr><td>{escape(str(key))}</td><td>{escape(json.dumps(value))}</td></tr>"
-                   for key, value in figures.items() if key != "verdict")
-    verdict = figures.get("verdict")
+                   for key, value in figures.items())
     head = f"<p><b>verdict:</b> {escape(str(verdict))}</p>" if verdict else ""
     return (f'<div class="ddp-conformance"><p>{escape(_label(trainer))} / {escape(check)}</p>{head}'
             f"<table>{rows}</table></div>")

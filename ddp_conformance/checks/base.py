@@ -124,9 +124,10 @@ class CheckContext:
             self.observed_steps += steps
 
     def fail(self, message: str, **figures: Any) -> CheckFailed:
-        """Record the verdict with the figures and return the exception to raise."""
+        """Record the figures and return the exception to raise. The verdict travels once, as the
+        exception's message (one line: the runner sends a rank's error's first line, whole)."""
+        message = " ".join(message.split())
         self.figures.update(figures)
-        self.figures["verdict"] = message
         # the report's cell: the verdict's first clause, shortened at a word (never inside a figure), with
         # identifiers split at their underscores so that six columns of cells still fit 120 columns
         clause = message.split(":", 1)[0].replace("_", " ")

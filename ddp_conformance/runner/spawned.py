@@ -122,7 +122,7 @@ class PoolController:
         if verdict.outcome == XFAILED:
             pytest.xfail(verdict.headline)
         if verdict.failing_ranks or verdict.outcome == FAILED:
-            raise failure_exception(verdict.render(), verdict.exc_type)
+            raise failure_exception(verdict)
         return True
 
     def teardown(self, item: pytest.Item, test: DdpTest) -> None:

@@ -31,6 +31,7 @@ class Verdict:
     body: str = ""
     failing_ranks: list[int] = field(default_factory=list)
     exc_type: tuple[str, str] | None = None  # the first failing rank's exception, for xfail(raises=)
+    message: str = ""  # the first failing rank's one-line error, whole (the headline clips it)
     figures: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def render(self) -> str:
@@ -133,9 +134,9 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     sections.extend(_section(text, ranks, texts) for text, ranks in _group(texts))
     for rank in hung:
         sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
-    exc_type = failed[first].exc_type if failed else None
+    exc_type, message = (failed[first].exc_type, failed[first].message) if failed else (None, "")
     return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
-                   figures=figures, exc_type=exc_type)
+                   figures=figures, exc_type=exc_type, message=message)
 
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -204,15 +205,20 @@ def prefixed_output(run: PoolRun) -> str:
 
 
 class DistributedTestFailure(Exception):
-    """Raised in the parent when ranks failed; its report is the verdict, not this traceback."""
+    """Raised in the parent when ranks failed; its report is the verdict, not this traceback.
+    `rank_exc_type` and `rank_message` are the first failing rank's exception, for hooks that read
+    what the ranks raised (the conformance report takes a check's verdict from them)."""
 
     verdict_text = ""
+    rank_exc_type: tuple[str, str] | None = None
+    rank_message = ""
 
 
-def failure_exception(text: str, exc_type: tuple[str, str] | None) -> DistributedTestFailure:
+def failure_exception(verdict: Verdict) -> DistributedTestFailure:
     """The parent's exception for a failed distributed test. Where the ranks' exception class can be
     found here, the failure is also an instance of it, so `xfail(raises=ValueError)` and
     `pytest.raises`-style expectations see the type the ranks raised."""
+    text, exc_type = verdict.render(), verdict.exc_type
     cls: type[DistributedTestFailure] = DistributedTestFailure
     if exc_type is not None:
         target: Any = sys.modules.get(exc_type[0])
@@ -229,4 +235,5 @@ def failure_exception(text: str, exc_type: tuple[str, str] | None) -> Distribute
     except Exception:
         failure = DistributedTestFailure(text.splitlines()[0] if text else "")
     failure.verdict_text = text
+    failure.rank_exc_type, failure.rank_message = exc_type, verdict.message
     return failure

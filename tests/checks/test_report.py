@@ -26,8 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((Path(__file__).parent / "data" / "report_ws4.json").read_text())
 MUTANT = ROOT / "fixtures" / "mutants" / "no_set_epoch.py"
 
-# one xdist worker runs these, so the real run (a module fixture) happens once
-pytestmark = pytest.mark.xdist_group("report")
 
 
 def assert_fits_and_nothing_is_cut(doc: dict[str, Any], lines: list[str], width: int = MATRIX_WIDTH) -> None:
@@ -79,7 +77,7 @@ def test_the_schema_is_valid_and_names_every_check() -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
     jsonschema.Draft202012Validator.check_schema(schema())
     assert schema()["$defs"]["result"]["properties"]["check"]["enum"] == list(CHECK_IDS)
-    assert schema()["properties"]["schema_version"]["const"] == RECORDED["schema_version"] == 1
+    assert schema()["properties"]["schema_version"]["const"] == RECORDED["schema_version"] == 2
 
 
 def test_the_recorded_report_validates_and_broken_ones_do_not() -> None:
@@ -94,7 +92,7 @@ def test_the_recorded_report_validates_and_broken_ones_do_not() -> None:
         assert list(validator.iter_errors(broken)), "the schema accepted a broken report"
 
 
-@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
+@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
 def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The suite on the torch reference and a mutant that fails the sampler check, two quick checks,
     world size 2, with --ddp-report (and --html when pytest-html is installed)."""
@@ -123,7 +121,7 @@ def test_a_real_run_writes_a_report_its_schema_accepts(real_run: dict[str, Any])
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
     doc = real_run["doc"]
     jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
-    assert doc["schema_version"] == 1 and (doc["world_size"], doc["backend"]) == (2, "gloo")
+    assert doc["schema_version"] == 2 and (doc["world_size"], doc["backend"]) == (2, "gloo")
     outcomes = {(trainer_label(r["trainer"]), r["check"]): r["outcome"] for r in doc["results"]}
     assert outcomes == {("torch", "sampler_disjointness"): "passed", ("torch", "gradient_equivalence"): "passed",
                         ("no_set_epoch", "sampler_disjointness"): "failed",
@@ -148,7 +146,7 @@ def test_pytest_html_rows_carry_the_figures_and_the_verdict(real_run: dict[str, 
     assert len(rows) == 4
     (mutant_row,) = [entries for test_id, entries in rows.items() if "no_set_epoch-sampler_disjointness" in test_id]
     contents = " ".join(str(extra.get("content", "")) for entry in mutant_row for extra in entry.get("extras", []))
-    assert html.escape(failing["figures"]["verdict"]) in contents
+    assert html.escape(failing["message"]) in contents
     assert "<td>summary</td>" in contents and html.escape(json.dumps(failing["figures"]["summary"])) in contents
     formats = {extra["format_type"] for entry in mutant_row for extra in entry.get("extras", [])}
     assert formats == {"html", "json"}

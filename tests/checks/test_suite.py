@@ -33,8 +33,6 @@ MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
 CONFIG = Path(__file__).with_name("suite.yaml")
 
-# one xdist worker runs all of these, so the nested session (the module fixture) runs once
-pytestmark = pytest.mark.xdist_group("conformance-suite")
 SPECS = REFERENCES + [f"{path}:Trainer" for path in MUTANTS]
 
 
@@ -51,7 +49,7 @@ def declared(path: Path, name: str, default: Any = _REQUIRED) -> Any:
     raise AssertionError(f"{path.name} does not define {name}")
 
 
-@pytest.fixture(scope="session")  # once per worker: a module scope re-runs it when xdist interleaves another module
+@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workdir = tmp_path_factory.mktemp("suite")
     report, junit = workdir / "report.json", workdir / "junit.xml"
@@ -125,7 +123,7 @@ def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -
     assert (doc["world_size"], doc["backend"]) == (2, "gloo")
     assert len(doc["results"]) == len(SPECS) * len(CHECK_IDS)
     assert set(doc["results"][0]) == {"trainer", "check", "outcome", "figures", "message"}
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)
     assert '<property name="saved_pct_of_grad_bytes"' in session["junit"]
     assert '<property name="max_rel_delta"' in session["junit"]
