@@ -21,6 +21,7 @@ real run; checks that need a piece in isolation (a dataset, a model, a loss) ski
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import runpy
 import shlex
@@ -35,6 +36,9 @@ from ..adapter import NotProvided, TrainerAdapter
 SCRIPT_PREFIX = "script:"
 FIT_FIELDS = {"steps", "checkpoint_dir", "checkpoint_at"}
 RESUME_FIELDS = {"steps", "checkpoint"}
+# numbers the fits' own directories in this process: every check builds fresh adapters, and a script that
+# resumes from whatever checkpoint it finds at its path (torchrun's restart pattern) must never find another fit's
+_FIT_DIRS = itertools.count(1)
 
 
 class ScriptSpecError(ValueError):
@@ -74,10 +78,11 @@ class ScriptAdapter(TrainerAdapter):
         self.fit_argv, self.resume_argv = parse_script_spec(spec, base)
         self.base = base
         self.name = Path(self.fit_argv[0]).stem
-        self.fits = 0
 
     def fit(self, steps: int, *, checkpoint_dir: Path | None = None, checkpoint_at: int | None = None,
             observer: Any = None) -> None:
+        if checkpoint_at and self.resume_argv is None:  # a checkpoint no command line could resume from
+            raise self._no_resume()
         directory = Path(checkpoint_dir) if checkpoint_dir else self._own_dir()
         run_script(self.fit_argv, self.base, steps=steps, checkpoint_dir=directory, checkpoint_at=checkpoint_at or 0)
 
@@ -91,14 +96,21 @@ class ScriptAdapter(TrainerAdapter):
 
     def resume(self, checkpoint: Path, steps: int, *, observer: Any = None) -> None:
         if self.resume_argv is None:
-            raise NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
+            raise self._no_resume()
         run_script(self.resume_argv, self.base, steps=steps, checkpoint=checkpoint)
 
+    def _no_resume(self) -> NotProvided:
+        return NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
+
     def _own_dir(self) -> Path:
-        self.fits += 1
-        directory = self.ctx.workdir / "script-fits" / f"rank{self.ctx.rank}-{os.getpid()}-{self.fits}"
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory
+        """A directory no other fit has used (a reused pid cannot hand over a left-over one)."""
+        while True:
+            directory = self.ctx.workdir / "script-fits" / f"rank{self.ctx.rank}-{os.getpid()}-{next(_FIT_DIRS)}"
+            try:
+                directory.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            return directory
 
 
 def run_script(argv: list[str], cwd: Path, **fields: Any) -> None:
