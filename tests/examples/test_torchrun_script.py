@@ -35,6 +35,8 @@ def test_a_script_is_checked_by_its_command_line_and_its_broken_twin_is_red(tmp_
     outcomes = {key: r["outcome"] for key, r in results.items()}
     for check in ("rank_participation", "sampler_disjointness", "resume_fidelity"):
         assert outcomes[("repo", check)] == "passed", (check, results[("repo", check)]["message"], run.stdout[-2000:])
+    # a script reports no losses: that is not evidence that every rank saw the same ones
+    assert not any("same losses" in n for n in results[("repo", "rank_participation")]["figures"].get("notes", []))
     for check in ("data_consistency", "gradient_equivalence"):
         assert outcomes[("repo", check)] == "skipped"
         assert "a script: SPEC runs the whole script" in results[("repo", check)]["message"]
