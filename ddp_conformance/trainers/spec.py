@@ -23,6 +23,7 @@ A `script:` SPEC names a training script by its command lines (`script_adapter.p
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.util
@@ -116,6 +117,9 @@ def _import_file(spec: str, path: Path, shown: str) -> ModuleType:
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:
         raise SpecError(_message(spec, f"cannot import {shown}: not a Python file"))
+    shadowed = _shadowed_neighbour(resolved)
+    if shadowed:
+        raise SpecError(_message(spec, shadowed))
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
@@ -124,6 +128,28 @@ def _import_file(spec: str, path: Path, shown: str) -> ModuleType:
         del sys.modules[name]
         raise SpecError(_message(spec, f"cannot import {shown}: {_one_line(exc)}")) from exc
     return module
+
+
+def _shadowed_neighbour(path: Path) -> str:
+    """A neighbour the file imports (`from trainer import Trainer`) that this process has already
+    imported under the same name from another folder: Python would hand the file that other module,
+    and the checks would judge another trainer's code. Two SPECs in one session whose folders both
+    hold a `trainer.py` (a repo and its fork, say) hit this; "" when every neighbour is the file's own."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return ""  # the import itself will say what is wrong
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module}
+    for top in sorted({name.split(".")[0] for name in imported}):
+        own = [path.parent / f"{top}.py", path.parent / top / "__init__.py"]
+        loaded = getattr(sys.modules.get(top), "__file__", None)
+        if loaded and any(p.is_file() for p in own) and Path(loaded).resolve() not in own:
+            return (f"its neighbour {own[0].name if own[0].is_file() else top} is imported as module {top!r}, "
+                    f"which this process already imported from {loaded}: a process holds one module per name, "
+                    "so run these trainers in separate sessions (or give one of the files another name)")
+    return ""
 
 
 def _import_module(spec: str, module_name: str, rootdir: Path) -> ModuleType:

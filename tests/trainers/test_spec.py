@@ -105,6 +105,16 @@ def test_file_spec_relative_to_rootdir_from_any_cwd_with_neighbours(tmp_path, mo
     assert resolve_spec(str(root / "ci/my_trainer.py") + ":Mine", tmp_path) is factory
 
 
+def test_two_specs_whose_neighbours_share_a_name_is_one_line(tmp_path, clean_imports):
+    """A repo and its copy, both `adapter.py` + `trainer.py`: the copy's `from trainer import ...`
+    would get the first repo's module; that is said, not silently checked."""
+    files = {"adapter.py": ADAPTER + "\nfrom trainer import LABEL\n", "trainer.py": "LABEL = 'original'\n"}
+    first, copy = project(tmp_path / "repo", files), project(tmp_path / "fork", files)
+    assert sys.modules[type(resolve_spec("adapter.py:Mine", first)()).__module__].LABEL == "original"
+    assert_one_line_spec_error("adapter.py:Mine", copy, "its neighbour trainer.py is imported as module 'trainer', "
+                               f"which this process already imported from {first / 'trainer.py'}")
+
+
 def test_module_spec_and_factory(tmp_path, clean_imports):
     root = project(tmp_path, {"pkg_for_spec/__init__.py": "", "pkg_for_spec/adapters.py": ADAPTER})
     assert resolve_spec("pkg_for_spec.adapters:Mine", root)().name == "mine"
