@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -80,16 +81,29 @@ def _ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
 
 
-def run(ctx: CheckContext) -> dict[str, Any]:
-    __tracebackhide__ = hide_on_verdict
-    import torch
+@dataclass
+class GlobalBatch:
+    """The same global batch on every rank, cut into the ranks' consecutive shards per step."""
 
+    adapter: Any
+    items: list[Any]
+    world: int
+    per_rank: int
+
+    def whole(self) -> Any:
+        return self.adapter.collate(self.items[:self.per_rank * self.world])
+
+    def shard(self, step: int, rank: int) -> Any:
+        start = (step * self.world + rank) * self.per_rank
+        return self.adapter.collate(self.items[start:start + self.per_rank])
+
+
+def _global_batch(ctx: CheckContext, adapter: Any) -> GlobalBatch:
+    """The dataset's first items, enough for the first step and EXTRA_STEPS more; skips when the ranks'
+    datasets differ (then there is no one global batch to compare DDP's gradient with)."""
     config = ctx.config
-    adapter = ctx.adapter()
-    world, rank = ctx.world_size, ctx.rank
-    accumulate = config.trainer.accumulate_grad_batches
-    per_rank = config.data.batch_size * accumulate
-    need = per_rank * world * (1 + EXTRA_STEPS)
+    per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
+    need = per_rank * ctx.world_size * (1 + EXTRA_STEPS)
     dataset = adapter.make_dataset(max(need, config.data.size))
     items = [dataset[i] for i in range(need)]
     batches = all_gather(item_digest(items))
@@ -97,50 +111,74 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         rank = next(r for r, d in enumerate(batches) if d != batches[0])
         pytest.skip(f"the ranks' datasets differ (rank {rank}'s first {need} items are not rank 0's; see "
                     "data_consistency): there is no one global batch whose gradient DDP's could be compared with")
+    return GlobalBatch(adapter, items, ctx.world_size, per_rank)
 
-    def shard(step: int, r: int) -> Any:
-        start = (step * world + r) * per_rank
-        return adapter.collate(items[start:start + per_rank])
 
-    global_batch = adapter.collate(items[:per_rank * world])
-    reference, own = adapter.make_model().eval(), adapter.make_model().eval()
-    with ctx.training(1):
-        wrapped = adapter.wrap(adapter.make_model().eval())
-        adapter.train_step(wrapped, shard(0, rank))
-    with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
-        single_loss = adapter.loss(reference, global_batch)
-        single_loss.backward()
-        adapter.loss(own, shard(0, rank)).backward()
-    with torch.no_grad():  # the same loss, computed in the real world: does it depend on the world size?
-        in_world = float(adapter.loss(adapter.make_model().eval(), global_batch))
-    scaled = world > 1 and abs(in_world * world - float(single_loss)) <= 1e-4 * abs(float(single_loss)) != 0
-    ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
-
-    precision = config.trainer.precision
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    precision = ctx.config.trainer.precision
     rtol = RTOL.get(precision)
+    adapter = ctx.adapter()
+    batch = _global_batch(ctx, adapter)
     if rtol is None:
         pytest.skip(f"no measured gradient tolerance for precision {precision!r} "
                     f"(measured: {', '.join(RTOL)}); the check would be guessing")
+    wrapped, figures = _first_step(ctx, adapter, batch, rtol)
+    _more_steps(ctx, adapter, batch, wrapped, figures)
+    figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
+    return figures
+
+
+def _first_step(ctx: CheckContext, adapter: Any, batch: GlobalBatch, rtol: float) -> tuple[Any, dict[str, Any]]:
+    """The trainer's DDP step on this rank's shard against the single-process gradient of the
+    global batch (and of the shard alone); fails, naming a cause, where they differ."""
+    world, rank = ctx.world_size, ctx.rank
+    reference, own = adapter.make_model().eval(), adapter.make_model().eval()
+    with ctx.training(1):
+        wrapped = adapter.wrap(adapter.make_model().eval())
+        adapter.train_step(wrapped, batch.shard(0, rank))
+    with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
+        single_loss = adapter.loss(reference, batch.whole())
+        single_loss.backward()
+        adapter.loss(own, batch.shard(0, rank)).backward()
+    scaled = _scaled_by_world(adapter, batch, float(single_loss))
+    ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
     name, delta, scale = _max_delta(ddp_g, single_g)
     tolerance = rtol * scale
-    figures: dict[str, Any] = {"precision": precision, "rtol": rtol, "per_rank_batch": per_rank,
-                               "worst_parameter": name, "max_abs_delta": delta, "tolerance": tolerance,
-                               "max_rel_delta": delta / scale if scale else 0.0}
+    figures: dict[str, Any] = {"precision": ctx.config.trainer.precision, "rtol": rtol,
+                               "per_rank_batch": batch.per_rank, "worst_parameter": name, "max_abs_delta": delta,
+                               "tolerance": tolerance, "max_rel_delta": delta / scale if scale else 0.0}
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
+    accumulate = ctx.config.trainer.accumulate_grad_batches
     verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
                           or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
                                       scaled))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
+    return wrapped, figures
 
-    # several steps: the trainer's train_step on fresh shards, the same plain SGD update everywhere
+
+def _scaled_by_world(adapter: Any, batch: GlobalBatch, single_loss: float) -> bool:
+    """Whether the trainer's loss, computed in the real world, is the world-of-one loss / world size."""
+    import torch
+
+    with torch.no_grad():
+        in_world = float(adapter.loss(adapter.make_model().eval(), batch.whole()))
+    return batch.world > 1 and abs(in_world * batch.world - single_loss) <= 1e-4 * abs(single_loss) != 0
+
+
+def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: Any, figures: dict[str, Any]) -> None:
+    """EXTRA_STEPS more: the trainer's train_step on fresh shards, the same plain SGD update
+    everywhere; the ranks' parameters must stay identical."""
+    import torch
+
     wrapped.train()
     with ctx.training(EXTRA_STEPS):
         for step in range(1, 1 + EXTRA_STEPS):
             for p in wrapped.parameters():
                 p.grad = None
-            adapter.train_step(wrapped, shard(step, rank))
+            adapter.train_step(wrapped, batch.shard(step, ctx.rank))
             with torch.no_grad():
                 for p in wrapped.parameters():
                     if p.grad is not None:
@@ -148,14 +186,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     params = {n: p.detach().cpu().clone() for n, p in _unwrap(wrapped).named_parameters()}
     everyone = all_gather(params)
     spread = max((float((everyone[0][n].double() - other[n].double()).abs().max()), n)
-                 for other in everyone[1:] for n in params) if world > 1 else (0.0, "")
+                 for other in everyone[1:] for n in params) if ctx.world_size > 1 else (0.0, "")
     figures["params_max_spread_after_steps"] = spread[0]
     if spread[0] != 0.0:
         raise ctx.fail(f"parameters differ between ranks after {EXTRA_STEPS} more steps ({spread[1]} max |delta| "
                        f"{fmt(spread[0])}) although the first step's gradients matched: something after backward "
                        "changes gradients per rank", **figures)
-    figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
-    return figures
 
 
 @contextlib.contextmanager

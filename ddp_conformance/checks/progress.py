@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapter import FitObserver, StepInfo
+from ..runner.verdict import ranks_label
 from .base import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 
@@ -174,15 +175,12 @@ def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> s
         left = "; ".join(f"rank {r} {_where(progress[r])}" for r in waiting)
         kind = ("failed" if first is not None and first.state == "error"
                 else "left its training loop early" if first is not None and first.stopped else "fell behind")
-        return (f"training hangs: {_ranks(stopped)} stopped at micro-batch {step} of a {steps}-step fit ({who}) "
+        return (f"training hangs: {ranks_label(stopped)} stopped at micro-batch {step} of a {steps}-step fit ({who}) "
                 f"while {left}, no progress for {fmt(idle)} s: a rank that {kind} leaves the others blocked in "
                 "DDP's gradient all-reduce")
     return (f"training hangs: all ranks are stuck in the same place ({_where(progress[0])}), no progress for "
             f"{fmt(idle)} s: a collective deadlock (ranks calling different collectives?)")
 
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],

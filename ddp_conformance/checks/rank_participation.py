@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from ..adapter import TrainState
+from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .progress import guarded_fit
 from .states import digest, parameters
@@ -59,11 +60,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ctx.fail(f"no rank ran a forward/backward step: fit({STEPS}) returned without training", **figures)
     idle = [r for r, m in enumerate(micro) if m == 0]
     if idle:
-        raise ctx.fail(f"{_ranks(idle)} ran no forward/backward step while the others ran {max(micro)}: "
+        raise ctx.fail(f"{ranks_label(idle)} ran no forward/backward step while the others ran {max(micro)}: "
                        "those ranks skip training", **figures)
     if len(set(micro)) > 1:
         low = [r for r, m in enumerate(micro) if m == min(micro)]
-        raise ctx.fail(f"{_ranks(low)} ran {min(micro)} forward/backward micro-batches where others ran "
+        raise ctx.fail(f"{ranks_label(low)} ran {min(micro)} forward/backward micro-batches where others ran "
                        f"{max(micro)} (per rank: {micro}): the ranks do not train the same steps", **figures)
     losses = [p.extra.get("losses", []) for p in progress]
     # None where a rank reported no losses (a script: SPEC, an adapter that passes none): not the same losses
@@ -109,6 +110,3 @@ def _divergence(state: TrainState, names: list[str] | None, wrapped: str, is_ddp
             "(no_sync left on, or gradients changed after the all-reduce)"
             + ("" if is_ddp else "; the fit never reported its wrapped model, so DDP wrapping is unknown"))
 
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -39,7 +39,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -48,6 +48,9 @@ from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
 from .states import Difference, differences, digest, parameters
 from .vacuity import TrainingEvidence, vacuity_verdict
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
 
 FALLBACK_EPOCH_STEPS = 8
 FORCED_DROPOUT = 0.1
@@ -160,11 +163,7 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     ctx.require_shared_workdir()
-    config = ctx.config
-    if config.model.dropout == 0:
-        config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
-        ctx.note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
-                 "shows (a trainer that ignores the config's model section keeps its own model)")
+    config = _with_dropout(ctx)
     epoch = _epoch_steps(ctx, config)
     cadence = getattr(ctx.factory(), "checkpoint_every", None)
     k, n = plan_steps(epoch, cadence)
@@ -174,22 +173,69 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "checkpoint_step": k, "final_step": n, "epoch_steps": epoch, "checkpoint_cadence": cadence or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
+    full = _uninterrupted(ctx, config, n, figures)
+    part, checkpoint, written = _until_checkpoint(ctx, config, k, figures)
+    at_checkpoint = _capture_rng()
+    _disturb_rng(ctx.rank)
+    first = _FirstStepWeights()
+    resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
+        checkpoint, n, observer=obs), inner=first)
+    found = differences(full, resumed, rtol)
+    figures["differences"] = len(found)
+    figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
+                                   default=0.0)
+    # every decision below is taken from gathered values, so all ranks run the same collectives
+    taken = ctx.recordings["until-checkpoint"].optimizer_steps
+    if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
+        ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
+    if any(all_gather(bool(found))):
+        weights = first.weights if all(all_gather(taken == k)) else None
+        static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
+        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n)
+        if not verdict:
+            verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
+            verdict = next((v for v in all_gather(verdict) if v), verdict)
+        raise ctx.fail(verdict, **figures)
+    _only_rank_zero_writes(ctx, written, checkpoint, figures)
+    figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
+                          else f"max |d| {figures['max_abs_delta']:.0e} @{n} (ckpt @{k})")
+    return figures
 
+
+def _with_dropout(ctx: CheckContext) -> RunConfig:
+    """The config with dropout forced on, so that a lost RNG state shows in the weights."""
+    config = ctx.config
+    if config.model.dropout == 0:
+        config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
+        ctx.note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
+                 "shows (a trainer that ignores the config's model section keeps its own model)")
+    return config
+
+
+def _uninterrupted(ctx: CheckContext, config: RunConfig, n: int, figures: dict[str, Any]) -> TrainState:
+    """fit(n) from scratch: the run a resume must reproduce; one that trains nothing fails here, since
+    it would resume "bitwise" whatever its checkpoint holds."""
     evidence = TrainingEvidence()
+
     def evidence_of(state: TrainState) -> dict[str, Any]:
         return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
 
     full, progress = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs),
                                  inner=evidence, extra=evidence_of)
-    # a run that trains nothing resumes "bitwise" whatever its checkpoint holds
     vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
     if vacuous:
         raise ctx.fail(vacuous, **figures)
+    return full
+
+
+def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
+                      figures: dict[str, Any]) -> tuple[TrainState, Path, list[Any]]:
+    """fit(k) checkpointing at k into this rank's own directory: its state, rank 0's checkpoint file,
+    and what every rank wrote (files, checkpoint, parameter digest)."""
     own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
-    at_checkpoint = _capture_rng()
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
                           digest(parameters(part.params))))
@@ -205,38 +251,18 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     unreproducible = _not_reproducible(ctx, k)
     if unreproducible:
         raise ctx.fail(unreproducible, **figures)
+    return part, Path(checkpoint), written
 
-    _disturb_rng(ctx.rank)
-    first = _FirstStepWeights()
-    resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
-        Path(checkpoint), n, observer=obs), inner=first)
-    found = differences(full, resumed, rtol)
-    figures["differences"] = len(found)
-    figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
-                                   default=0.0)
-    # every decision below is taken from gathered values, so all ranks run the same collectives
-    taken = ctx.recordings["until-checkpoint"].optimizer_steps
-    if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
-        ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
-    if any(all_gather(bool(found))):
-        weights = first.weights if all(all_gather(taken == k)) else None
-        static = _diagnose(found, full, part, weights, Path(checkpoint), n, k) if found else ""
-        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n)
-        if not verdict:
-            verdict = _rng_or_data(ctx, config, found, full, part, Path(checkpoint), at_checkpoint, n, k)
-            verdict = next((v for v in all_gather(verdict) if v), verdict)
-        raise ctx.fail(verdict, **figures)
+
+def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Path, figures: dict[str, Any]) -> None:
     others = [(r, files) for r, (files, _, _) in enumerate(written) if r != 0 and files]
     if others:
         r, files = others[0]
         raise ctx.fail(f"rank {r} wrote checkpoint files ({', '.join(files[:3])}): only rank 0 may write checkpoints "
                        "(every rank writing the same path races and can leave a corrupt file)", **figures)
-    if Path(checkpoint).parent != ctx.workdir / "ckpt" / "rank0":
+    if checkpoint.parent != ctx.workdir / "ckpt" / "rank0":
         ctx.note(f"rank 0 wrote its checkpoint outside the checkpoint_dir it was given ({checkpoint}), so writes "
                  "could not be attributed to ranks")
-    figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
-                          else f"max |d| {figures['max_abs_delta']:.0e} @{n} (ckpt @{k})")
-    return figures
 
 
 def _not_reproducible(ctx: CheckContext, k: int) -> str:

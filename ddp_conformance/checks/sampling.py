@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runner.verdict import ranks_label
+
 #: the order rule needs this many observed positions per epoch: two epochs' shuffles agree on m
 #: positions by chance with probability at most (N-m)!/N! <= 1/m!, negligible for m = 10 (1/3.6e6)
 ORDER_MIN_SIZE = 10
@@ -41,9 +43,6 @@ class SamplingVerdict:
 def _flat(batches: Batches) -> list[int]:
     return [int(i) for batch in batches for i in batch]
 
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _sample(values: Sequence[int], limit: int = 5) -> str:
@@ -84,8 +83,8 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int) -> SamplingVerdic
         return SamplingVerdict(False, _diagnose_partition(seqs, n, world), figures)
     if len(set(batches)) > 1:
         low, high = min(batches), max(batches)
-        return SamplingVerdict(False, f"{_ranks([r for r, b in enumerate(batches) if b == low])} get {low} "
-                                      f"batches and {_ranks([r for r, b in enumerate(batches) if b == high])} "
+        return SamplingVerdict(False, f"{ranks_label([r for r, b in enumerate(batches) if b == low])} get {low} "
+                                      f"batches and {ranks_label([r for r, b in enumerate(batches) if b == high])} "
                                       f"get {high}: uneven batch counts leave ranks waiting in DDP's all-reduce "
                                       "at the end of every epoch (the batching differs between ranks)", figures)
     return SamplingVerdict(True, "", figures)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
 
 
-def ranks_label(ranks: list[int]) -> str:
+def ranks_label(ranks: Iterable[int]) -> str:
+    """"rank 1" or "ranks 1, 3": how every message names ranks."""
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 

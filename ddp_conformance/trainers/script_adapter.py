@@ -25,6 +25,7 @@ import itertools
 import os
 import runpy
 import shlex
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,7 +98,14 @@ class ScriptAdapter(TrainerAdapter):
     def resume(self, checkpoint: Path, steps: int, *, observer: Any = None) -> None:
         if self.resume_argv is None:
             raise self._no_resume()
-        run_script(self.resume_argv, self.base, steps=steps, checkpoint=checkpoint)
+        run_script(self.resume_argv, self.base, steps=steps, checkpoint=self._copy_of(Path(checkpoint)))
+
+    def _copy_of(self, checkpoint: Path) -> Path:
+        """The checkpoint's directory copied into a fresh one: a script that resumes from its
+        --checkpoint_path also saves there, and the check resumes the same checkpoint more than once."""
+        directory = self._own_dir()
+        shutil.copytree(checkpoint.parent, directory, dirs_exist_ok=True)
+        return directory / checkpoint.name
 
     def _no_resume(self) -> NotProvided:
         return NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
