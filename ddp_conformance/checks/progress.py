@@ -12,6 +12,12 @@ fit a check runs goes through `guarded_fit`:
   for `4 * stall_after`, the fit is hung: it raises `CheckFailed` naming the ranks that stopped and
   the step where they stopped, and marks the group unusable (a thread is left blocked in a
   collective, so the harness must rebuild the ranks).
+- a rank that computes is not hung, events or not: every watcher reads the CPU time of every rank's
+  process on its host (`CpuBeat`, from /proc with the pid each rank's file gives), and a rank using at
+  least `BUSY_FRACTION` of a core counts as progress. A rank blocked in a collective uses none; a
+  first import of torch._dynamo or Lightning on a loaded CI machine can take far longer than
+  `4 * stall_after` before the first event, and is not a hang. (Read from outside the process, since
+  a rank's own watcher thread can wait ~0.6 s for the GIL while its fit computes.)
 Every rank reads the same files, so every rank reaches the same verdict.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +40,10 @@ from .base import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
+# of one core: above it a rank is computing; a rank blocked in a collective uses ~0 (its watcher
+# polling files costs ~1-3%), so the margin both ways is wide
+BUSY_FRACTION = 0.3
+BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
 
 
 @dataclass
@@ -49,6 +60,8 @@ class Progress:
     is_ddp: bool | None = None  # None: the fit never reported its wrapped model (on_wrapped)
     seq: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    pid: int = field(default_factory=os.getpid)  # whose CPU time says whether the rank computes (CpuBeat)
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def stopped(self) -> bool:
@@ -224,16 +237,54 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     return box["result"], progress  # type: ignore[return-value]
 
 
+class CpuBeat:
+    """The CPU time of every rank's process on this host, from /proc: what tells a rank that computes
+    without reaching a hook (importing, compiling, a slow first step on a loaded machine) from one
+    blocked in a collective. Ranks on other hosts, or without /proc, never count as busy."""
+
+    def __init__(self) -> None:
+        self.host = socket.gethostname()
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.since: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, wall time) at its window's start
+
+    def busy(self, progress: list[Progress | None], now: float) -> bool:
+        """Whether some rank used at least BUSY_FRACTION of a core over its last BUSY_WINDOW seconds
+        (a window, not a poll: CPU time moves in 10 ms clock ticks)."""
+        busy = False
+        for p in progress:
+            if p is None or not p.pid or p.host != self.host:
+                continue
+            cpu = self._cpu_seconds(p.pid)
+            start = self.since.get(p.pid)
+            if cpu is None:
+                continue
+            if start is None:
+                self.since[p.pid] = (cpu, now)
+            elif now - start[1] >= BUSY_WINDOW:
+                busy = busy or cpu - start[0] >= BUSY_FRACTION * (now - start[1])
+                self.since[p.pid] = (cpu, now)
+        return busy
+
+    def _cpu_seconds(self, pid: int) -> float | None:
+        """utime + stime of the process (fields 14 and 15 of /proc/PID/stat, after the command's parentheses)."""
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / self.tick
+
+
 def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: int) -> list[Progress]:
     __tracebackhide__ = hide_on_verdict
     seen: list[int] = []
     last_change = time.monotonic()
+    beat = CpuBeat()
     while True:
         thread.join(POLL_SECONDS)
         progress = read_all(directory, ctx.world_size)
         seqs = [p.seq if p is not None else 0 for p in progress]
         now = time.monotonic()
-        if seqs != seen:
+        if seqs != seen or beat.busy(progress, now):
             seen, last_change = seqs, now
         if all(p is not None and p.stopped for p in progress) and not thread.is_alive():
             return [p for p in progress if p is not None]

@@ -53,3 +53,59 @@ def test_recorder_sees_ddp_micro_batches_steps_and_the_indices_drawn(ddp):
     from torch.nn.modules import module
 
     assert not module._global_forward_pre_hooks
+
+
+def _context(ddp, tmp_path, stall_after: float):
+    from ddp_conformance.adapter import RankContext
+    from ddp_conformance.checks.base import CheckContext
+    from ddp_conformance.config import RunConfig
+
+    return CheckContext(check_id="watchdog", spec="torch", factory=lambda: None, config=RunConfig(),
+                        rank_ctx=RankContext.from_fixture(ddp, tmp_path), ddp=ddp, workdir=tmp_path,
+                        stall_after=stall_after, figures=ddp.figures)
+
+
+def _compute(seconds: float) -> None:
+    import time
+
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        sum(range(1000))
+
+
+def _train_one_step() -> None:
+    """A fit's minimum: one training forward, backward and optimizer step (the recorder reads the
+    fit's state from them)."""
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.ddp(world_size=2)
+def test_a_fit_that_computes_without_events_is_not_taken_for_a_hang(ddp, tmp_path):
+    """A first import or compile on a loaded machine reaches no hook for longer than the watchdog's
+    4 x stall_after (here 3.2 s); its CPU time shows it is alive. (A stall_after much below 1 s
+    would be unfair: a watcher thread that shares the GIL with a busy fit can wait ~0.6 s.)"""
+    from ddp_conformance.checks.progress import guarded_fit
+
+    ctx = _context(ddp, tmp_path, stall_after=0.8)
+    _, progress = guarded_fit(ctx, "computes", 1, lambda observer: (_compute(4.0), _train_one_step()))
+    assert [p.state for p in progress] == ["done", "done"]
+
+
+@pytest.mark.ddp(world_size=2)
+def test_a_rank_blocked_while_another_is_done_is_a_hang(ddp, tmp_path):
+    """Rank 0 blocked (no CPU, no event) while rank 1 has finished: a hang after ~stall_after."""
+    import time
+
+    from ddp_conformance.checks.base import CheckFailed
+    from ddp_conformance.checks.progress import guarded_fit
+
+    ctx = _context(ddp, tmp_path, stall_after=0.3)
+    began = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"training hangs: rank 1 stopped .* while rank 0 waits"):
+        guarded_fit(ctx, "blocked", 1, lambda observer: (ddp.rank == 0 and time.sleep(20), _train_one_step()))
+    assert time.monotonic() - began < 10 and ddp.figures["hung"] is True
