@@ -281,6 +281,8 @@ def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: 
     beat = CpuBeat()
     while True:
         thread.join(POLL_SECONDS)
+        if not thread.is_alive():  # join returns at once now: without a pause this loop would spin a core
+            time.sleep(POLL_SECONDS)
         progress = read_all(directory, ctx.world_size)
         seqs = [p.seq if p is not None else 0 for p in progress]
         now = time.monotonic()
