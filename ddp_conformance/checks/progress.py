@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..adapter import FitObserver, StepInfo
 from ..runner.verdict import ranks_label
@@ -40,6 +40,7 @@ from .base import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
+FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
 # of one core: above it a rank is computing; a rank blocked in a collective uses ~0 (its watcher
 # polling files costs ~1-3%), so the margin both ways is wide
 BUSY_FRACTION = 0.3
@@ -51,7 +52,7 @@ class Progress:
     """What one rank's progress file says."""
 
     rank: int
-    state: str = "starting"  # starting | wrapped | in_step | between | done | error
+    state: FitState = "starting"
     begun: int = 0  # micro-batches whose forward started
     finished: int = 0  # micro-batches whose backward (and after-backward) finished
     last: dict[str, Any] | None = None  # the last StepInfo, as a dict

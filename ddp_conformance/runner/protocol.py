@@ -100,7 +100,6 @@ class RankReply:
     longrepr: str = ""
     shortrepr: str = ""
     message: str = ""
-    duration: float = 0.0
     figures: dict[str, Any] = field(default_factory=dict)
     exc_type: tuple[str, str] | None = None  # (module, qualname) of a failure's exception
     group_healthy: bool = True
