@@ -67,7 +67,7 @@ def _explanations(output: str, name: str) -> list[str]:
     return [line[1:].strip() for line in section.group(1).splitlines() if line.startswith("E ")]
 
 
-@pytest.mark.parametrize("verbosity", [[], ["-vv"]], ids=["default", "vv"])
+@pytest.mark.parametrize("verbosity", [[], pytest.param(["-vv"], marks=pytest.mark.slow)], ids=["default", "vv"])
 def test_rank_explains_asserts_as_a_plain_test_does(pytester: pytest.Pytester, verbosity: list[str]) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(money=MONEY, test_compare=_test_module(COMPARISONS))

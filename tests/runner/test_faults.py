@@ -117,6 +117,7 @@ def test_hangs_are_diagnosed_from_every_rank_stack(pytester: pytest.Pytester) ->
         assert times[name] <= 4 + 10, (name, times[name])
 
 
+@pytest.mark.slow
 def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
     # the first pool's rank 1 is sent to another store, so the two ranks can never meet
     pytester.makeconftest(
@@ -154,6 +155,7 @@ def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
     assert times["test_a_needs_the_group"] <= 5 + 10
 
 
+@pytest.mark.slow
 def test_a_failed_allocation_does_not_leak_into_the_next_test(pytester: pytest.Pytester) -> None:
     result, _ = run_matrix(
         pytester,

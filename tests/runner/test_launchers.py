@@ -71,6 +71,7 @@ def test_under_torchrun_ranks_agree_and_rank0_reports(pytester: pytest.Pytester)
     assert (pytester.path / "out.xml").exists()
 
 
+@pytest.mark.slow
 def test_xdist_workers_each_run_their_own_pool(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -101,6 +102,7 @@ def test_xdist_workers_each_run_their_own_pool(pytester: pytest.Pytester) -> Non
     assert not set.intersection(*pools.values())
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_hang_is_ended_with_every_thread_stack(pytester: pytest.Pytester) -> None:
     """No supervisor under a launcher: past the test's limit the rank dumps its stacks and ends, and the
     launcher ends the others, instead of holding the CI job."""

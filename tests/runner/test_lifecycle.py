@@ -84,7 +84,7 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester) ->
             proc.kill()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, signum: int) -> None:
     marker = pytester.path / "ranks-running"
     pytester.makepyfile(

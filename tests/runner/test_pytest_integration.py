@@ -45,7 +45,7 @@ def test_unpicklable_figure(ddp):
 """
 
 
-@pytest.mark.parametrize("import_mode", ["prepend", "importlib"])
+@pytest.mark.parametrize("import_mode", ["prepend", pytest.param("importlib", marks=pytest.mark.slow)])
 def test_pytest_features_inside_ranks(pytester: pytest.Pytester, import_mode: str) -> None:
     package = pytester.mkpydir("tests")
     (package / "helpers.py").write_text("class Box:\n    def __init__(self, value):\n        self.value = value\n")

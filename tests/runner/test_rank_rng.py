@@ -38,7 +38,7 @@ def test_4_rebuilt_pool(ddp, tmp_path):
 """
 
 
-@pytest.mark.parametrize("spawn", ["zygote", "exec"])
+@pytest.mark.parametrize("spawn", ["zygote", pytest.param("exec", marks=pytest.mark.slow)])  # exec: the fallback
 def test_ranks_draw_different_numbers_in_every_test_and_pool(pytester: pytest.Pytester, spawn: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     if spawn == "exec":
