@@ -1,6 +1,8 @@
 """Drawn scenarios (hypothesis): world size 1-4, dataset sizes that world size x batch does not divide,
-drop_last, shuffle, accumulation. In every drawn scenario the torch reference passes every check, and
-each mutant here is caught wherever its bug can show:
+drop_last, shuffle, accumulation, and the checkpoint step (the torch reference declares a drawn
+checkpoint cadence: any step, epoch ends, every 1-3 steps, from which resume_fidelity places its
+checkpoint). In every drawn scenario the reference passes every check, and each mutant here (at its
+own cadence) is caught wherever its bug can show:
 
 - no_set_epoch (the same shuffle every epoch) shows in sampler_disjointness only when the loader
   shuffles, every rank reads at least two samples an epoch and the observed positions reach the
@@ -34,7 +36,15 @@ from ddp_conformance.checks.sampling import ORDER_MIN_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "fixtures" / "mutants"
-TRAINERS = ["torch", *(f"{MUTANTS / name}.py:Trainer" for name in ("no_set_epoch", "world_scaled_loss", "ckpt_no_rng"))]
+MUTANT_SPECS = [f"{MUTANTS / name}.py:Trainer" for name in ("no_set_epoch", "world_scaled_loss", "ckpt_no_rng")]
+# the torch reference, declaring the drawn checkpoint cadence (so the checkpoint step is drawn too)
+REFERENCE = """\
+from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+class Trainer(TorchTrainer):
+    checkpoint_every = {cadence!r}
+"""
 
 
 @st.composite
@@ -46,7 +56,7 @@ def scenarios(draw: st.DrawFn) -> dict:
     # at least two optimizer steps an epoch on every rank, and a size world x batch does not divide
     size = draw(st.integers(2 * world * batch * accumulate + 1, 2 * world * batch * accumulate + 12)
                 .filter(lambda n: n % (world * batch) != 0))
-    return {"world": world, "config": {
+    return {"world": world, "cadence": draw(st.sampled_from([None, "epoch", 1, 2, 3])), "config": {
         "seed": draw(st.integers(0, 9)),
         "trainer": {"accumulate_grad_batches": accumulate, "strategy": {"gradient_as_bucket_view": True}},
         "data": {"size": size, "batch_size": batch, "shuffle": draw(st.booleans()), "drop_last": drop_last,
@@ -55,12 +65,13 @@ def scenarios(draw: st.DrawFn) -> dict:
 
 
 def run_scenario(tmp: Path, scenario: dict) -> dict[str, dict[str, dict]]:
-    config, report = tmp / "scenario.yaml", tmp / "report.json"
+    config, report, reference = tmp / "scenario.yaml", tmp / "report.json", tmp / "reference.py"
     config.write_text(yaml.safe_dump(scenario["config"]))
+    reference.write_text(REFERENCE.format(cadence=scenario["cadence"]))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "--ddp-world-size", str(scenario["world"]), "--ddp-timeout", "30", "--ddp-config", str(config),
                "--ddp-report", str(report), "-k", "not bucket_view_memory"]
-    for trainer in TRAINERS:
+    for trainer in [f"{reference}:Trainer", *MUTANT_SPECS]:
         command += ["--ddp-trainer", trainer]
     proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=400)
     assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -93,16 +104,19 @@ DRAWN = int(os.environ.get("DDP_SCENARIOS", "0"))
           deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(scenario=scenarios())
-@example(scenario={"world": 3, "config": {  # always: an odd world, a size it does not divide, accumulation
+# always: an odd world, a size it does not divide, accumulation, a checkpoint every 2 steps
+@example(scenario={"world": 3, "cadence": 2, "config": {
     "seed": 1, "trainer": {"accumulate_grad_batches": 2, "strategy": {"gradient_as_bucket_view": True}},
     "data": {"size": 41, "batch_size": 3, "shuffle": True, "drop_last": True, "seed": 2}}})
 def test_references_pass_and_mutants_are_caught_in_drawn_scenarios(tmp_path_factory: pytest.TempPathFactory,
                                                                   scenario: dict) -> None:
     results = run_scenario(tmp_path_factory.mktemp("scenario"), scenario)
     checks = [c for c in CHECK_IDS if c != "bucket_view_memory"]
-    reference = {c: (r["outcome"], r["message"]) for c, r in results["torch"].items()}
+    reference = {c: (r["outcome"], r["message"]) for c, r in results["reference"].items()}
     assert all(outcome == "passed" for outcome, _ in reference.values()), (scenario, reference)
-    assert list(results["torch"]) == checks
+    assert list(results["reference"]) == checks
+    cadence = results["reference"]["resume_fidelity"]["figures"]["checkpoint_cadence"]
+    assert cadence == (scenario["cadence"] or "any step")
     expected = {
         "no_set_epoch": {"sampler_disjointness": order_can_show(scenario),
                          "resume_fidelity": epoch_steps(scenario) >= 3},
