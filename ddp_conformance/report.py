@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 TRAINER_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_check"
+CHECK_FAILED = ("ddp_conformance.checks.base", "CheckFailed")  # named, not imported: no torch here
 VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra attribute: it crosses xdist)
 SCHEMA_VERSION = 2  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
@@ -44,9 +45,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return str(value)
-
-
-CHECK_FAILED = ("ddp_conformance.checks.base", "CheckFailed")  # named, not imported: no torch here
 
 
 def check_verdict(exc: BaseException) -> str | None:

@@ -196,7 +196,6 @@ def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> s
             f"{fmt(idle)} s: a collective deadlock (ranks calling different collectives?)")
 
 
-
 def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],
                 inner: FitObserver | None = None,
                 extra: Callable[[Any], dict[str, Any]] | None = None) -> tuple[Any, list[Progress]]:
@@ -256,9 +255,9 @@ class CpuBeat:
             if p is None or not p.pid or p.host != self.host:
                 continue
             cpu = self._cpu_seconds(p.pid)
-            start = self.since.get(p.pid)
             if cpu is None:
                 continue
+            start = self.since.get(p.pid)
             if start is None:
                 self.since[p.pid] = (cpu, now)
             elif now - start[1] >= BUSY_WINDOW:

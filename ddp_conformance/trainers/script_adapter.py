@@ -21,12 +21,12 @@ real run; checks that need a piece in isolation (a dataset, a model, a loss) ski
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import runpy
 import shlex
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,6 @@ from ..adapter import NotProvided, TrainerAdapter
 SCRIPT_PREFIX = "script:"
 FIT_FIELDS = {"steps", "checkpoint_dir", "checkpoint_at"}
 RESUME_FIELDS = {"steps", "checkpoint"}
-# numbers the fits' own directories in this process: every check builds fresh adapters, and a script that
-# resumes from whatever checkpoint it finds at its path (torchrun's restart pattern) must never find another fit's
-_FIT_DIRS = itertools.count(1)
 
 
 class ScriptSpecError(ValueError):
@@ -111,14 +108,12 @@ class ScriptAdapter(TrainerAdapter):
         return NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
 
     def _own_dir(self) -> Path:
-        """A directory no other fit has used (a reused pid cannot hand over a left-over one)."""
-        while True:
-            directory = self.ctx.workdir / "script-fits" / f"rank{self.ctx.rank}-{os.getpid()}-{next(_FIT_DIRS)}"
-            try:
-                directory.mkdir(parents=True)
-            except FileExistsError:
-                continue
-            return directory
+        """A directory no other fit has used: every check builds fresh adapters, and a script that
+        resumes from whatever checkpoint it finds at its path (torchrun's restart pattern) must never
+        find another fit's."""
+        parent = self.ctx.workdir / "script-fits"
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"rank{self.ctx.rank}-", dir=parent))
 
 
 def run_script(argv: list[str], cwd: Path, **fields: Any) -> None:
