@@ -52,3 +52,50 @@ def test_ranks_draw_different_numbers_in_every_test_and_pool(pytester: pytest.Py
         for generator in range(3):  # torch, random, numpy: each differs between the two ranks
             assert drawn[(name, 0)][generator] != drawn[(name, 1)][generator], (name, drawn)
     assert len(set(drawn.values())) == len(drawn), drawn  # and no test or pool repeats another's numbers
+
+
+def test_fresh_seeds_draws_new_entropy_for_every_generator() -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from ddp_conformance.runner.seeds import fresh_seeds
+
+    def draws() -> tuple[int, float, float, float]:
+        return torch.initial_seed(), torch.rand(1).item(), random.random(), float(np.random.rand())
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    seeded = draws()
+    fresh_seeds()
+    first = draws()
+    fresh_seeds()
+    second = draws()
+    for index in range(4):  # each generator moved off the fixed seed, and moves again next time
+        assert len({seeded[index], first[index], second[index]}) == 3, (index, seeded, first, second)
+
+
+@pytest.mark.parametrize("cpu_only", [True, False])
+def test_fresh_seeds_leaves_accelerator_seeding_to_torch_seed_unless_there_is_none(
+        monkeypatch: pytest.MonkeyPatch, cpu_only: bool) -> None:
+    """The cheap path (the CPU generator alone) only where torch has no other generator to seed."""
+    import torch
+
+    from ddp_conformance.runner import seeds
+
+    called: list[int] = []
+    monkeypatch.setattr(seeds, "_cpu_only_torch", lambda: cpu_only)
+    monkeypatch.setattr(torch, "seed", lambda: called.append(1) or 7)
+    before = torch.initial_seed()
+    seeds.fresh_seeds()
+    assert called == ([] if cpu_only else [1])
+    assert (torch.initial_seed() != before) is cpu_only  # the stand-in torch.seed seeds nothing
+
+
+def test_this_torch_is_recognised_as_cpu_only_exactly_when_it_has_no_accelerator() -> None:
+    import torch
+
+    from ddp_conformance.runner.seeds import _cpu_only_torch
+
+    assert _cpu_only_torch() is (not torch.backends.cuda.is_built() and not torch.backends.mps.is_built()
+                                 and not torch.xpu._is_compiled() and not torch.mtia._is_compiled())
