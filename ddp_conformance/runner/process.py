@@ -30,6 +30,19 @@ class ProcessHandle(Protocol):
     def kill(self) -> None: ...
 
 
+def catches_signal(pid: int | str, signum: int) -> bool:
+    """Whether process `pid` ("self" for this one) has a handler for `signum`: Linux's SigCgt mask
+    in /proc; True where that cannot be read, so a caller that asks before signalling acts as before."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return True
+
+
 @dataclass
 class RankProcess:
     rank: int

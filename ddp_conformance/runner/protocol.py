@@ -11,6 +11,7 @@ descriptors and segments behind when a rank is killed.
 from __future__ import annotations
 
 import pickle
+import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
@@ -21,6 +22,9 @@ FAILED: Final = "failed"
 SKIPPED: Final = "skipped"
 XFAILED: Final = "xfailed"
 EndKind = Literal["crashed", "hung"]
+# the parent asks a live rank for its Python stacks with this signal; the rank's faulthandler writes
+# them to the stack file the pool gave it (DDP_CONFORMANCE_STACK_FILE)
+STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from .handshake import DiedWhileStarting, Handshake, StartTimeout
-from .process import ProcessHandle, RankProcess
-from .protocol import FAILED, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
+from .process import ProcessHandle, RankProcess, catches_signal
+from .protocol import FAILED, STACK_DUMP_SIGNAL, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
 from .zygote import ForkedRank, Zygote
 
-STACK_DUMP_SIGNAL = signal.SIGUSR1
 # After one rank has failed, how long the others get to answer before they count as stuck (typically
 # blocked in a collective the failed rank will never join). Long enough for a slow rank to finish its
 # own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
 FAILURE_GRACE_SECONDS = 5.0
 STOP_GRACE_SECONDS = 5.0
+UNCAUGHT_DUMP_SIGNAL = (f"(no stack: this test reset the rank's handler of {STACK_DUMP_SIGNAL.name}, the stack-dump "
+                        "signal, as Lightning's Trainer does at the end of every fit; the rank was not signalled)")
 
 
 class PoolStartError(Exception):
@@ -306,13 +307,16 @@ class RankPool:
     def dump_stacks(self, ranks: list[int], settle: float = 0.5) -> dict[int, str]:
         """Ask live ranks for their Python stacks (faulthandler, registered on a signal in each rank)."""
         asked = []
+        stacks: dict[int, str] = {}
         for proc in self.ranks:
             if proc.rank in ranks and proc.alive:
+                if not catches_signal(proc.popen.pid, STACK_DUMP_SIGNAL):  # the signal would kill it: ask nothing
+                    stacks[proc.rank] = UNCAUGHT_DUMP_SIGNAL
+                    continue
                 with contextlib.suppress(OSError):
                     proc.stack_path.write_bytes(b"")
                     os.kill(proc.popen.pid, STACK_DUMP_SIGNAL)
                     asked.append(proc)
-        stacks: dict[int, str] = {}
         end = time.monotonic() + settle
         while asked and time.monotonic() < end:
             time.sleep(0.05)

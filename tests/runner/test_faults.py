@@ -80,12 +80,21 @@ def test_crashes_name_the_rank_and_how_it_died(pytester: pytest.Pytester) -> Non
 
 
 def test_hangs_are_diagnosed_from_every_rank_stack(pytester: pytest.Pytester) -> None:
+    """Also after a test reset the signal handlers, as Lightning's Trainer does at the end of every
+    fit (each signal back to what Python's `signal` module saw: SIG_DFL for faulthandler's, which
+    sit beneath Python): the stack request then killed the rank ("died (killed by SIGUSR1)") and a
+    segfault lost its last words. Ranks install them again after every test; within the test that
+    reset them, a hang says why it has no stack instead of killing the rank."""
     result, times = run_matrix(
         pytester,
         """
         def spin_forever():
             while True:
                 pass
+
+        def reset_like_lightning():
+            for signum in (signal.SIGUSR1, signal.SIGSEGV):
+                signal.signal(signum, signal.getsignal(signum))
 
         @pytest.mark.ddp(world_size=2)
         def test_infinite_loop(ddp):
@@ -100,10 +109,37 @@ def test_hangs_are_diagnosed_from_every_rank_stack(pytester: pytest.Pytester) ->
             else:
                 dist.barrier()
             dist.barrier()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_resets_handlers(ddp):
+            reset_like_lightning()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_then_hangs(ddp):
+            if ddp.rank == 1:
+                time.sleep(60)
+            dist.barrier()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_resets_handlers_again(ddp):
+            reset_like_lightning()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_then_segfaults(ddp):
+            if ddp.rank == 0:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            dist.barrier()
+
+        @pytest.mark.ddp(world_size=2)
+        def test_resets_handlers_and_hangs(ddp):
+            reset_like_lightning()
+            if ddp.rank == 1:
+                time.sleep(60)
+            dist.barrier()
         """,
         "--ddp-timeout", "4",
     )
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=3, failed=5)
     result.stdout.fnmatch_lines(
         ["*2 of 2 ranks failed: rank 1 never reached the collective (spin_forever at *.py:*) that rank 0 waits in "
          "(barrier); ranks 0, 1 timed out*",
@@ -113,7 +149,15 @@ def test_hangs_are_diagnosed_from_every_rank_stack(pytester: pytest.Pytester) ->
     result.stdout.fnmatch_lines(
         ["*2 of 2 ranks failed: mismatched collectives: rank 0 in all_reduce, rank 1 in barrier*"]
     )
-    for name in ("test_infinite_loop", "test_mismatched_collectives"):
+    result.stdout.fnmatch_lines(["*_ test_then_hangs _*", "*rank 0 timed out after 4 s*", "*in barrier*",
+                                 "*rank 1 timed out after 4 s*", "*in test_then_hangs*"])
+    result.stdout.fnmatch_lines(["*_ test_then_segfaults _*", "*rank 0 died (killed by SIGSEGV (11))*",
+                                 "*[[]rank 0[]] Fatal Python error: Segmentation fault*"])
+    result.stdout.fnmatch_lines(["*_ test_resets_handlers_and_hangs _*", "*timed out after 4 s*",
+                                 "*no stack: this test reset the rank's handler of SIGUSR1*"])
+    result.stdout.no_fnmatch_line("*killed by SIGUSR1*")
+    for name in ("test_infinite_loop", "test_mismatched_collectives", "test_then_hangs", "test_then_segfaults",
+                 "test_resets_handlers_and_hangs"):
         assert times[name] <= 4 + 10, (name, times[name])
 
 

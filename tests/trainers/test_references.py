@@ -294,3 +294,18 @@ def test_lightning_leaves_the_rank_environment_as_it_found_it(ddp, tmp_path):
         if local_rank is not None:
             os.environ["LOCAL_RANK"] = local_rank
     assert dist.is_initialized() and dist.get_world_size() == 2
+
+
+@pytest.mark.ddp(world_size=2)
+def test_lightning_leaves_the_ranks_stack_dump_and_crash_handlers_armed(ddp, tmp_path):
+    """At the end of every fit Lightning's Trainer sets each signal back to what Python's `signal`
+    module saw: SIG_DFL for faulthandler's handlers, which sit beneath Python. The pool's stack
+    request for a hang in a later fit then killed the rank ("died (killed by SIGUSR1)") and a
+    segfault lost its traceback; the adapter installs them again after every fit."""
+    import signal
+
+    from ddp_conformance.runner.process import catches_signal
+
+    ctx = RankContext.from_fixture(ddp, tmp_path)
+    make(trainer("lightning"), run_config(ctx), ctx).fit(2)
+    assert catches_signal("self", signal.SIGUSR1) and catches_signal("self", signal.SIGSEGV)
