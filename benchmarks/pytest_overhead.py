@@ -12,11 +12,14 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
   junit ms       median JUnit time (setup + call + teardown) of the measured tests of the N2 session,
                  what pytest reports per test; read from the reports' durations (what junitxml adds
                  up) by a conftest, because the XML rounds each to 1 ms
-  growth ms      what one more test adds to a session's run: (run(N2) - run(N1)) / (N2 - N1), where
-                 run is the session's clock from the end of its first test to the end of its last
-                 (hooks, terminal and JUnit reporting included)
-  collect ms     the same for collection: (collect(N2) - collect(N1)) / (N2 - N1)
-  pool ms        the same test sent straight to a warm RankPool (no pytest): the runner's own cost
+  growth ms      what one more test adds to a session's wall: the N2 session's clock from the end of
+                 its first test to the end of its last, per test (hooks, terminal and JUnit reporting
+                 included). Within one session, so a burst of the VM's steal time cannot make it
+                 negative, as the difference of two sessions' clocks did
+  collect ms     what one more test adds to collection: (collect(N2) - collect(N1)) / (N2 - N1)
+  pool ms        the same test sent straight to a warm RankPool (no pytest)
+  empty ms       a test with an empty body sent to the same pool: the runner's own cost per test,
+                 without the collective
   all_reduce ms  one all_reduce of a float inside the group, averaged over 200: the floor of any
                  distributed test
   rank cpu ms    CPU time all ranks together spend per pool-level test (/proc): with W ranks on 2
@@ -53,12 +56,13 @@ def test_plain_{i}():
     assert t.item() == 1
 '''
 HEADER = "import pytest\nimport torch\nimport torch.distributed as dist\n"
+SETTLE_SECONDS = 8
 SETTLE = {
     "ddp": '''
 @pytest.mark.ddp(world_size={ws})
 def test_a_settle(ddp):
     import time
-    time.sleep(8)  # the pool is up; the zygote imports torch._dynamo & co. while idle
+    time.sleep({settle})  # the pool is up; the zygote imports torch._dynamo & co. while idle
 ''',
     "plain": '''
 def test_a_settle():
@@ -98,7 +102,7 @@ def pytest_runtest_logfinish(nodeid):
 def pytest_sessionfinish(session):
     with open(os.environ["BENCH_DURATIONS"], "w") as handle:
         json.dump({"durations": list(DURATIONS.values()), "collect": CLOCK["collected"] - CLOCK["start"],
-                   "run": CLOCK["last_done"] - CLOCK["first_done"]}, handle)
+                   "run": CLOCK["last_done"] - CLOCK["first_done"], "tests": len(DURATIONS)}, handle)
 '''
 POOL_SOURCE = '''
 import time
@@ -109,6 +113,9 @@ def test_trivial(ddp):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == ddp.world_size
+
+def test_empty(ddp):
+    pass
 
 def test_floor(ddp):
     t = torch.ones(1)
@@ -123,7 +130,7 @@ def test_floor(ddp):
 def write_module(directory: Path, kind: str, template: str, count: int, world_size: int) -> Path:
     path = directory / f"test_{kind}_{count}.py"
     body = "".join(template.format(i=i, ws=world_size) for i in range(count))
-    path.write_text(HEADER + SETTLE[kind].format(ws=world_size) + body)
+    path.write_text(HEADER + SETTLE[kind].format(ws=world_size, settle=SETTLE_SECONDS) + body)
     return path
 
 
@@ -135,7 +142,7 @@ def run_session(module: Path, junit: Path) -> dict[str, float]:
     if proc.returncode != 0:
         raise SystemExit(f"benchmark session failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     clock = json.loads(junit.with_suffix(".json").read_text())
-    return {"collect": clock["collect"], "run": clock["run"]}
+    return {"collect": clock["collect"], "run": clock["run"], "tests": clock["tests"]}
 
 
 def junit_median(junit: Path) -> float:
@@ -155,9 +162,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[float, float, float]:
-    """(median seconds of the trivial test on a warm pool, seconds of one all_reduce, CPU seconds all
-    ranks spend per test: on 2 cores, half of it is a floor under any per-test wall time)."""
+def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str, float]:
+    """Seconds on a warm pool: the trivial test's median ("pool"), an empty test's ("empty"), one
+    all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
+    a floor under any per-test wall time)."""
     from ddp_conformance.runner.context import DdpPlan
     from ddp_conformance.runner.protocol import Task
     from ddp_conformance.runner.supervisor import RankPool
@@ -173,25 +181,30 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> tuple[flo
 
     zygote = Zygote(start_timeout=300)
     pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    figures: dict[str, float] = {}
     try:
         pool.start()
-        trivial = task("test_trivial")
-        for _ in range(10):
-            pool.run(trivial, 60)
-        times = []
+        time.sleep(SETTLE_SECONDS)  # as in the pytest sessions: the zygote's idle-time imports finish first
         pids = [proc.popen.pid for proc in pool.ranks]
-        cpu_before = sum(map(cpu_seconds, pids))
-        for _ in range(warm_tests):
-            began = time.perf_counter()
-            run = pool.run(trivial, 60)
-            times.append(time.perf_counter() - began)
-            assert all(reply.outcome == "passed" for reply in run.replies.values()), run.replies
-        rank_cpu = (sum(map(cpu_seconds, pids)) - cpu_before) / warm_tests
-        floor = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
+        for name, key in (("test_trivial", "pool"), ("test_empty", "empty")):
+            test = task(name)
+            for _ in range(10):
+                pool.run(test, 60)
+            times = []
+            cpu_before = sum(map(cpu_seconds, pids))
+            for _ in range(warm_tests):
+                began = time.perf_counter()
+                run = pool.run(test, 60)
+                times.append(time.perf_counter() - began)
+                assert all(reply.outcome == "passed" for reply in run.replies.values()), run.replies
+            figures[key] = statistics.median(times)
+            if key == "pool":
+                figures["rank_cpu"] = (sum(map(cpu_seconds, pids)) - cpu_before) / warm_tests
+        figures["all_reduce"] = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
     finally:
         pool.stop()
         zygote.close()
-    return statistics.median(times), floor, rank_cpu
+    return figures
 
 
 def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -205,23 +218,23 @@ def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
             clocks[(kind, n)] = run_session(module, junit)
             if n == args.n2:
                 figures[f"{kind}_junit"] = junit_median(junit)
-    span = args.n2 - args.n1
     for kind in ("ddp", "plain"):
-        for phase in ("run", "collect"):
-            grown = clocks[(kind, args.n2)][phase] - clocks[(kind, args.n1)][phase]
-            figures[f"{kind}_{'growth' if phase == 'run' else 'collect'}"] = grown / span
-    figures["pool"], figures["all_reduce"], figures["rank_cpu"] = pool_figures(directory, args.world_size,
-                                                                              args.warm_tests)
+        session = clocks[(kind, args.n2)]
+        figures[f"{kind}_growth"] = session["run"] / (session["tests"] - 1)  # the tests after the left-out one
+        grown = session["collect"] - clocks[(kind, args.n1)]["collect"]
+        figures[f"{kind}_collect"] = grown / (args.n2 - args.n1)
+    figures.update(pool_figures(directory, args.world_size, args.warm_tests))
     return figures
 
 
 COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "ddp collect ms",
-           "plain collect ms", "pool ms", "all_reduce ms", "rank cpu ms", "ddp/plain", "ddp/all_reduce", "ddp/pool")
+           "plain collect ms", "pool ms", "empty ms", "all_reduce ms", "rank cpu ms", "ddp/plain", "ddp/all_reduce",
+           "ddp/pool")
 
 
 def row(label: str, f: dict[str, float]) -> str:
     ms = ("ddp_junit", "plain_junit", "ddp_growth", "plain_growth", "ddp_collect", "plain_collect", "pool",
-          "all_reduce", "rank_cpu")
+          "empty", "all_reduce", "rank_cpu")
     cells = (label, *(f"{f[key] * 1e3:.2f}" for key in ms),
              f"{f['ddp_junit'] / f['plain_junit']:.1f}x", f"{f['ddp_junit'] / f['all_reduce']:.1f}x",
              f"{f['ddp_junit'] / f['pool']:.2f}x")

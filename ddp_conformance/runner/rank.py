@@ -9,19 +9,16 @@ that the parent did not die before it was set.
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import os
 import signal
 import socket
 import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import TextIO
 
-from .protocol import STACK_DUMP_SIGNAL
+from . import fault_handlers
 
 PR_SET_PDEATHSIG = 1
-_stacks: TextIO | None = None  # where a rank writes them: the file the pool reads back
 
 
 def die_with_parent() -> None:
@@ -62,33 +59,9 @@ def join_group() -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def arm_fault_handlers(stack_file: str) -> None:
-    """Python stacks on a fatal signal (into the rank's log: its last words) and on
-    STACK_DUMP_SIGNAL (into `stack_file`, which the pool reads when a test hangs)."""
-    global _stacks
-    _stacks = open(stack_file, "w")  # noqa: SIM115 - lives with the rank
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=_stacks, all_threads=True, chain=False)
-
-
-def rearm_fault_handlers() -> None:
-    """Install faulthandler's handlers again; a no-op outside a pool's rank.
-
-    Lightning's Trainer, at the end of every fit, sets every signal back to the handler Python's
-    `signal` module last saw, which is SIG_DFL for faulthandler's (installed beneath Python): the
-    next stack request would then kill the rank, and a segfault would die without a traceback. Each
-    call only re-registers (faulthandler skips handlers it believes installed), about 7 us."""
-    if _stacks is None:
-        return
-    faulthandler.unregister(STACK_DUMP_SIGNAL)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=_stacks, all_threads=True, chain=False)
-    faulthandler.disable()
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-
-
 def serve() -> int:
     """Say hello, join the group, then answer tasks until told to stop or the pool goes away."""
-    arm_fault_handlers(os.environ["DDP_CONFORMANCE_STACK_FILE"])
+    fault_handlers.arm(os.environ["DDP_CONFORMANCE_STACK_FILE"])
     from .protocol import Hello, Ready, Stop, receive, send
 
     channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
@@ -109,7 +82,7 @@ def serve() -> int:
             runtime.leave_group()
             return 0
         send(channel, runtime.run_task(message))
-        rearm_fault_handlers()  # whatever the test did to them; after the reply, off the test's clock
+        fault_handlers.rearm()  # whatever the test did to them; after the reply, off the test's clock
 
 
 def main() -> int:

@@ -19,7 +19,6 @@ Python under `np.errstate`. At world size 4 the ranks' CPU per warm trivial test
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import sys
@@ -40,11 +39,10 @@ def fresh_seeds() -> None:
         numpy.random.seed(numpy.frombuffer(os.urandom(16), dtype=numpy.uint32))
 
 
-@functools.cache
 def _cpu_only_torch() -> bool:
-    """Whether this torch was built without any accelerator (CUDA/ROCm, MPS, XPU, MTIA, a custom
-    device): then the CPU generator is the only one `torch.seed()` seeds. A compile-time answer,
-    so asking initialises no device."""
+    """Whether this torch has no accelerator (CUDA/ROCm, MPS, XPU, MTIA built in, or a custom device
+    registered so far): then the CPU generator is the only one `torch.seed()` seeds. Asking
+    initialises no device, and is asked every time (0.3 us): a test may register a custom device."""
     import torch
 
     return torch.accelerator.current_accelerator() is None

@@ -33,8 +33,9 @@ from .zygote import ForkedRank, Zygote
 # own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
 FAILURE_GRACE_SECONDS = 5.0
 STOP_GRACE_SECONDS = 5.0
-UNCAUGHT_DUMP_SIGNAL = (f"(no stack: this test reset the rank's handler of {STACK_DUMP_SIGNAL.name}, the stack-dump "
-                        "signal, as Lightning's Trainer does at the end of every fit; the rank was not signalled)")
+UNCAUGHT_DUMP_SIGNAL = (f"(no stack: the rank had no handler for {STACK_DUMP_SIGNAL.name}, the stack-dump signal, "
+                        "and was not sent it; a test can remove it, as Lightning's Trainer does at the end of every "
+                        "fit)")
 
 
 class PoolStartError(Exception):

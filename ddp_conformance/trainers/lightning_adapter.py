@@ -61,7 +61,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..adapter import FitObserver, NotProvided, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import RunConfig
 from ..resumable import capture_rng_state, restore_rng_state
-from ..runner.rank import rearm_fault_handlers
+from ..runner import fault_handlers
 from .spec import LightningParts
 from .torch_ref import cpu_copy, seeded
 
@@ -128,7 +128,7 @@ def lightning_environment(local_rank: int) -> Iterator[None]:
         with quiet():
             yield
     finally:
-        rearm_fault_handlers()  # the fit's teardown reset them: a hang in the next fit keeps its stacks
+        fault_handlers.rearm()  # the fit's teardown reset them: a hang in the next fit keeps its stacks
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
         for key in set(os.environ) - set(saved_env):

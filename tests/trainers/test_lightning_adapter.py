@@ -114,4 +114,3 @@ def test_a_step_that_needs_a_running_trainer_is_not_provided_rather_than_an_erro
     lit, _ = adapter(tmp_path, {})
     with pytest.raises(NotProvided, match=r"its training_step .* use self\.trainer, which exists only inside"):
         lit.loss(UsesTrainer(), {"x": torch.ones(2, 3)})
-
