@@ -17,6 +17,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from . import fault_handlers
+from .protocol import Hello, Ready, Stop, receive, send
 
 PR_SET_PDEATHSIG = 1
 
@@ -62,8 +63,6 @@ def join_group() -> None:
 def serve() -> int:
     """Say hello, join the group, then answer tasks until told to stop or the pool goes away."""
     fault_handlers.arm(os.environ["DDP_CONFORMANCE_STACK_FILE"])
-    from .protocol import Hello, Ready, Stop, receive, send
-
     channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
     send(channel, Hello(rank=int(os.environ["RANK"]), pid=os.getpid()))
     join_group()

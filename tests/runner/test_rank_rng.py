@@ -65,7 +65,9 @@ def test_fresh_seeds_draws_new_entropy_for_every_generator() -> None:
     def draws() -> tuple[int, float, float, float]:
         return torch.initial_seed(), torch.rand(1).item(), random.random(), float(np.random.rand())
 
-    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
     seeded = draws()
     fresh_seeds()
     first = draws()
