@@ -12,9 +12,9 @@ fit a check runs goes through `guarded_fit`:
   for `4 * stall_after`, the fit is hung: it raises `CheckFailed` naming the ranks that stopped and
   the step where they stopped, and marks the group unusable (a thread is left blocked in a
   collective, so the harness must rebuild the ranks).
-- a rank that computes is not hung, events or not: every watcher reads the CPU time of every rank's
-  process on its host (`CpuBeat`, from /proc with the pid each rank's file gives), and a rank using at
-  least `BUSY_FRACTION` of a core counts as progress. A rank blocked in a collective uses none; a
+- a rank that computes is not hung, events or not: every watcher reads how long the threads of every
+  rank's process on its host ran or waited to run (`RunnableBeat`, from /proc with the pid each rank's
+  file gives), and a rank at `BUSY_FRACTION` or more counts as progress. A blocked rank does neither; a
   first import of torch._dynamo or Lightning on a loaded CI machine can take far longer than
   `4 * stall_after` before the first event, and is not a hang. (Read from outside the process, since
   a rank's own watcher thread can wait ~0.6 s for the GIL while its fit computes.)
@@ -41,8 +41,8 @@ from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
-# of one core: above it a rank is computing; a rank blocked in a collective uses ~0 (its watcher
-# polling files costs ~1-3%), so the margin both ways is wide
+# of the wall time: above it a rank is computing (its threads ran or waited to run); a rank blocked in
+# a collective has ~0 (its watcher, the main thread, is not counted), a computing one ~1 less steal
 BUSY_FRACTION = 0.3
 BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
 
@@ -61,7 +61,7 @@ class Progress:
     is_ddp: bool | None = None  # None: the fit never reported its wrapped model (on_wrapped)
     seq: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-    pid: int = field(default_factory=os.getpid)  # whose CPU time says whether the rank computes (CpuBeat)
+    pid: int = field(default_factory=os.getpid)  # whose threads say whether the rank computes (RunnableBeat)
     host: str = field(default_factory=socket.gethostname)
 
     @property
@@ -237,33 +237,61 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     return box["result"], progress  # type: ignore[return-value]
 
 
-class CpuBeat:
-    """The CPU time of every rank's process on this host, from /proc: what tells a rank that computes
-    without reaching a hook (importing, compiling, a slow first step on a loaded machine) from one
-    blocked in a collective. Ranks on other hosts, or without /proc, never count as busy."""
+class RunnableBeat:
+    """Whether a rank computes without reaching a hook (importing, compiling, a slow first step on a
+    loaded machine) rather than waiting in a collective, read from outside it (/proc). Ranks on other
+    hosts, or without /proc, never count as busy.
+
+    Measured as the time the rank's threads ran *or waited to run* (`/proc/PID/task/TID/schedstat`):
+    a computing thread is always one or the other, so the fraction stays near 1 however loaded the
+    machine, and a blocked thread is neither. CPU time alone is not enough: with two test workers on
+    a 2-core CI machine a computing rank got less than `BUSY_FRACTION` of a core, and a fit that only
+    computed was taken for a hang. The rank's main thread is left out: it is the watcher polling these
+    files, and under load a woken poller waits in the run queue too. Without schedstat, the process's
+    CPU time (utime + stime) stands in."""
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self.since: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, wall time) at its window's start
+        self.since: dict[int, tuple[float, dict[str, float]]] = {}  # pid -> (wall time, counters) at its window's start
 
     def busy(self, progress: list[Progress | None], now: float) -> bool:
-        """Whether some rank used at least BUSY_FRACTION of a core over its last BUSY_WINDOW seconds
-        (a window, not a poll: CPU time moves in 10 ms clock ticks)."""
+        """Whether some rank's threads ran or waited to run for at least BUSY_FRACTION of its last
+        BUSY_WINDOW seconds (a window, not a poll: the fallback's CPU time moves in 10 ms ticks)."""
         busy = False
         for p in progress:
             if p is None or not p.pid or p.host != self.host:
                 continue
-            cpu = self._cpu_seconds(p.pid)
-            if cpu is None:
-                continue
             start = self.since.get(p.pid)
-            if start is None:
-                self.since[p.pid] = (cpu, now)
-            elif now - start[1] >= BUSY_WINDOW:
-                busy = busy or cpu - start[0] >= BUSY_FRACTION * (now - start[1])
-                self.since[p.pid] = (cpu, now)
+            if start is not None and now - start[0] < BUSY_WINDOW:
+                continue
+            counters = self._counters(p.pid)
+            if counters is None:
+                continue
+            if start is not None:
+                demand = sum(value - start[1].get(key, 0.0) for key, value in counters.items())
+                busy = busy or demand >= BUSY_FRACTION * (now - start[0])
+            self.since[p.pid] = (now, counters)
         return busy
+
+    def _counters(self, pid: int) -> dict[str, float] | None:
+        """Seconds each thread but the main one ran or waited to run; {"cpu": utime + stime} where
+        schedstat cannot be read; None when the process is gone."""
+        try:
+            threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
+        except OSError:
+            return None
+        counters: dict[str, float] = {}
+        for tid in threads:
+            try:
+                ran, waited = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+            except (OSError, ValueError):
+                continue  # the thread ended, or no schedstat here
+            counters[tid] = (int(ran) + int(waited)) / 1e9
+        if counters or not threads:
+            return counters
+        cpu = self._cpu_seconds(pid)
+        return None if cpu is None else {"cpu": cpu}
 
     def _cpu_seconds(self, pid: int) -> float | None:
         """utime + stime of the process (fields 14 and 15 of /proc/PID/stat, after the command's parentheses)."""
@@ -278,7 +306,7 @@ def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: 
     __tracebackhide__ = hide_on_verdict
     seen: list[int] = []
     last_change = time.monotonic()
-    beat = CpuBeat()
+    beat = RunnableBeat()
     while True:
         thread.join(POLL_SECONDS)
         if not thread.is_alive():  # join returns at once now: without a pause this loop would spin a core

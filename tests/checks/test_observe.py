@@ -112,3 +112,74 @@ def test_a_rank_blocked_while_another_is_done_is_a_hang(ddp, tmp_path):
     assert took < 10 and ddp.figures["hung"] is True
     # the finished rank's watcher waits between polls: a spinning one would itself look like a computing rank
     assert time.process_time() - cpu < 0.3 * took, (time.process_time() - cpu, took)
+
+
+@pytest.fixture
+def overloaded_core():
+    """One core of this machine, with three busy-looping processes pinned to it: a thread pinned
+    there gets about a quarter of it, as a computing rank does on a loaded 2-core CI runner."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity") or not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("needs Linux: CPU affinity and /proc")
+    core = min(os.sched_getaffinity(0))
+    hog = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(3)]
+    try:
+        yield core
+    finally:
+        for process in hogs:
+            process.kill()
+            process.wait()
+
+
+def _beat_over(seconds: float, work) -> tuple[bool, float]:
+    """Whether RunnableBeat calls this process busy while a thread does `work`, after `seconds` of
+    watching as a rank's watcher does (a poll every 20 ms from the main thread); and the CPU share
+    the worker got."""
+    import os
+    import threading
+    import time
+
+    from ddp_conformance.checks.progress import POLL_SECONDS, Progress, RunnableBeat
+
+    stop = threading.Event()
+    cpu: list[float] = []
+
+    def worker() -> None:
+        began = time.thread_time()
+        work(stop)
+        cpu.append(time.thread_time() - began)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    beat, me = RunnableBeat(), [Progress(rank=0)]
+    began = time.monotonic()
+    busy = False
+    while time.monotonic() - began < seconds:
+        busy = beat.busy(me, time.monotonic()) or busy
+        time.sleep(POLL_SECONDS)
+    stop.set()
+    thread.join()
+    assert os.getpid() == me[0].pid
+    return busy, cpu[0] / (time.monotonic() - began)
+
+
+def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_not(overloaded_core):
+    import os
+
+    def compute(stop) -> None:
+        os.sched_setaffinity(0, {overloaded_core})  # this thread only
+        while not stop.is_set():
+            sum(range(1000))
+
+    busy, share = _beat_over(1.5, compute)
+    # a quarter of a core: the process's CPU time alone would not reach BUSY_FRACTION
+    from ddp_conformance.checks.progress import BUSY_FRACTION
+
+    assert share < BUSY_FRACTION, f"the core was not loaded ({share:.2f} of it went to the thread)"
+    assert busy
+    busy, _ = _beat_over(1.5, lambda stop: stop.wait())
+    assert not busy
