@@ -7,8 +7,11 @@ an exec'd rank, the zygote's `ForkedRank` for a forked one).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import signal
+import subprocess
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,6 +60,24 @@ class RankProcess:
     @property
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def ended_within(self, timeout: float) -> bool:
+        """Whether the process ends within `timeout` seconds. Its pidfd turns readable the moment it
+        exits, before whoever reaps it has: a forked rank is reaped by the zygote, which hears of it
+        only between the imports it does while idle (seconds each), and ending a session waited on
+        that. Without a pidfd, the handle's own wait."""
+        if self.sentinel is None:
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        watch = select.poll()  # not select(): a long session's pidfd can be above FD_SETSIZE
+        watch.register(self.sentinel, select.POLLIN)
+        ended = bool(watch.poll(max(0, math.ceil(timeout * 1000))))
+        if ended:
+            self.popen.poll()  # reaped now if it is ours (exec'd); a forked one's code comes later
+        return ended
 
     def exit_description(self) -> str:
         code = self.popen.poll()

@@ -25,6 +25,10 @@ EndKind = Literal["crashed", "hung"]
 # the parent asks a live rank for its Python stacks with this signal; the rank's faulthandler writes
 # them to the stack file the pool gave it (DDP_CONFORMANCE_STACK_FILE)
 STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
+# what a rank imports late and dearly (torch._dynamo: ~2.4 s of CPU, at its first optimizer or DDP).
+# Once a rank says it has it, the zygote imports it while idle, so that ranks forked later start
+# with it; a session whose tests never need it never pays for it (most of this project's own)
+WARMUP: Final = ("torch._dynamo",)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,11 @@ class Forked:
 
 
 @dataclass
+class WarmUp:
+    """Tell the zygote that ranks use the WARMUP modules: import them while idle."""
+
+
+@dataclass
 class Exited:
     """The zygote reaped one of its ranks; `status` as os.waitpid gives it."""
 
@@ -109,6 +118,7 @@ class RankReply:
     group_healthy: bool = True
     health_note: str = ""
     sequence: int | None = None
+    warm: bool = False  # a WARMUP module is imported here: the zygote should preload it
 
 
 @dataclass

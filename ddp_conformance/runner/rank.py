@@ -90,4 +90,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as a forked rank ends: no 1-3 s teardown of torch's modules while the pool waits

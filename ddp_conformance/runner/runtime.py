@@ -26,7 +26,7 @@ import pytest
 from .builtin_fixtures import StandIn
 from .context import DdpContext, DdpPlan
 from .introspection import RankAssertions
-from .protocol import FAILED, PASSED, SKIPPED, XFAILED, RankReply, Task
+from .protocol import FAILED, PASSED, SKIPPED, WARMUP, XFAILED, RankReply, Task
 from .seeds import fresh_seeds
 
 _modules: dict[str, tuple[float, types.ModuleType]] = {}
@@ -270,6 +270,7 @@ def run_task(task: Task) -> RankReply:
         reply = _outcome(task, ctx)
     _take_figures(reply, ctx)
     reply.group_healthy, reply.health_note, reply.sequence = _health(threads_before)
+    reply.warm = any(name in sys.modules for name in WARMUP)
     if ctx.unusable_group:
         reply.group_healthy, reply.health_note = False, ctx.unusable_group
     return reply

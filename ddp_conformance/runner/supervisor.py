@@ -270,6 +270,8 @@ class RankPool:
         watch.close()
         for proc in self.ranks:
             run.output[proc.rank] = proc.output_since(proc.log_offset)
+        if self.zygote is not None and not self.zygote.warming and any(r.warm for r in run.replies.values()):
+            self.zygote.warm_up()
         return run
 
     @staticmethod
@@ -337,8 +339,7 @@ class RankPool:
                 send(self._channel(proc), Stop())
         end = time.monotonic() + STOP_GRACE_SECONDS
         for proc in self.ranks:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=max(end - time.monotonic(), 0.01))
+            proc.ended_within(end - time.monotonic())
         self.kill()
 
     def kill(self) -> None:
@@ -352,8 +353,7 @@ class RankPool:
                 with contextlib.suppress(ProcessLookupError):
                     proc.popen.kill()
         for proc in self.ranks:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=10)
+            proc.ended_within(10)
             if proc.conn is not None:
                 with contextlib.suppress(OSError):
                     proc.conn.close()

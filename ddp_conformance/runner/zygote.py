@@ -22,14 +22,13 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from .protocol import Exited, Fork, Forked, Ready, receive, send
+from .protocol import WARMUP, Exited, Fork, Forked, Ready, WarmUp, receive, send
 
 # what a rank needs to join a group and run a test: imported before the zygote says it is ready
+# (torch.optim and torch.nn.parallel come with torch)
 PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
-# what most ranks need sooner or later (torch._dynamo alone costs a rank ~3 s at its first optimizer
-# or DDP construction): imported while the zygote is idle, one module at a time, so a fork request
-# never waits for all of them and the first pool starts as fast as a bare spawn
-WARMUP = ("torch.optim", "torch.nn.parallel", "torch._dynamo")
+# protocol.WARMUP, once the pool says ranks use it, is imported while the zygote is idle, one module
+# at a time, so that a fork request never waits long
 WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
 
 
@@ -54,6 +53,7 @@ class Zygote:
         self.exits: dict[int, int] = {}
         self.start_timeout = start_timeout
         self.ready = False  # it imports torch while pytest goes on; the first fork waits for it
+        self.warming = False
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -90,6 +90,13 @@ class Zygote:
                 return message.pid
             self._note(message)
 
+    def warm_up(self) -> None:
+        """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""
+        if not self.warming:
+            self.warming = True
+            with contextlib.suppress(OSError):
+                send(self.conn, WarmUp())
+
     def _note(self, message: object) -> None:
         if isinstance(message, Exited):
             self.exits[message.pid] = os.waitstatus_to_exitcode(message.status)
@@ -102,17 +109,14 @@ class Zygote:
         return self.exits.get(pid)
 
     def close(self) -> None:
-        """Closing its channel ends a ready zygote; one still importing torch is killed outright
-        (there is nothing of it to keep, and waiting would hold up the end of the session)."""
-        if not self.ready and self.popen.poll() is None:
-            self.popen.kill()
+        """Kill it: it holds nothing worth a goodbye (its pools are stopped first), and asking it to
+        leave cost a session seconds (it hears only between its idle-time imports, and a Python
+        that has imported torch takes 1-3 s to tear itself down)."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=2)
         if self.popen.poll() is None:
             self.popen.kill()
-            self.popen.wait()
+        self.popen.wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
@@ -187,7 +191,7 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     for name in PRELOAD:
         __import__(name)
-    warmup = list(WARMUP)
+    warmup: list[str] = []
     busy_until = time.monotonic() + WARMUP_AFTER_IDLE
     try:
         send(conn, Ready(pid=os.getpid()))
@@ -199,6 +203,8 @@ def main(fd: int) -> int:
                 continue
             busy_until = time.monotonic() + WARMUP_AFTER_IDLE
             request = receive(conn)
+            if isinstance(request, WarmUp):
+                warmup = [name for name in WARMUP if name not in sys.modules]
             if isinstance(request, Fork):
                 me = os.getpid()
                 pid = os.fork()
@@ -210,4 +216,6 @@ def main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    code = main(int(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(code)  # no teardown of torch's modules (1-3 s of CPU): nothing here needs it

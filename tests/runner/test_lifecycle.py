@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,73 @@ def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pyte
         result.stdout.fnmatch_lines(["*HEAVY MODULES: none*"])
     listed = pytester.runpytest_subprocess("--trace-config", "--collect-only", "-q")
     listed.stdout.fnmatch_lines(["*ddp_conformance*"])  # the plugin was loaded, not absent
+
+
+ZYGOTE_TASKS = """
+import torch
+
+def test_nothing(ddp):
+    pass
+
+def test_optimizer(ddp):
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)  # imports torch._dynamo
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop(tmp_path) -> None:
+    """torch._dynamo costs ~2.4 s of CPU: the zygote imports it only after a rank has, and the pool
+    learns that its ranks ended from their pidfds, not from the zygote busy importing."""
+    import pickle
+
+    from ddp_conformance.runner.context import DdpPlan
+    from ddp_conformance.runner.protocol import WARMUP, Task
+    from ddp_conformance.runner.supervisor import RankPool
+    from ddp_conformance.runner.zygote import Zygote
+
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        pytest.skip("needs Linux /proc to read the zygote's CPU time")
+    (tmp_path / "zygote_tasks.py").write_text(ZYGOTE_TASKS)
+
+    def run(pool: RankPool, name: str) -> list[bool]:
+        task = Task(nodeid=name, module_path=str(tmp_path / "zygote_tasks.py"), module_name="zygote_tasks",
+                    qualname=name, funcargs=pickle.dumps({"ddp": DdpPlan(pool.world_size, "gloo")}),
+                    sys_path=list(sys.path), cwd=str(tmp_path))
+        replies = pool.run(task, 120).replies
+        assert [reply.outcome for reply in replies.values()] == ["passed"] * pool.world_size, replies
+        return [reply.warm for reply in replies.values()]
+
+    zygote = Zygote(start_timeout=300)
+    pools: list[RankPool] = []
+
+    def start(world_size: int) -> RankPool:
+        pools.append(RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote))
+        pools[-1].start()
+        return pools[-1]
+
+    try:
+        first = start(2)
+        assert run(first, "test_nothing") == [False, False]
+        cpu = _cpu_seconds(zygote.popen.pid)
+        time.sleep(2)  # idle: an eager zygote would import WARMUP now
+        assert _cpu_seconds(zygote.popen.pid) - cpu < 0.3, "the idle zygote imported what no rank asked for"
+        assert run(first, "test_optimizer") == [True, True] and zygote.warming
+        cpu = _cpu_seconds(zygote.popen.pid)
+        while _cpu_seconds(zygote.popen.pid) - cpu < 0.2:  # the zygote is importing WARMUP now
+            time.sleep(0.05)
+        began = time.monotonic()
+        first.stop()
+        assert time.monotonic() - began < 1.0, "the stop waited for the busy zygote to reap its ranks"
+        deadline = time.monotonic() + 120
+        while not run(start(1), "test_nothing")[0]:  # a pool forked once the import is done has it
+            assert time.monotonic() < deadline, f"the zygote never preloaded {WARMUP}"
+            pools.pop().stop()
+            time.sleep(0.2)
+    finally:
+        for pool in pools:
+            pool.stop()
+        zygote.close()
