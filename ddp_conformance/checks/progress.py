@@ -63,6 +63,8 @@ class Progress:
     extra: dict[str, Any] = field(default_factory=dict)
     pid: int = field(default_factory=os.getpid)  # whose threads say whether the rank computes (RunnableBeat)
     host: str = field(default_factory=socket.gethostname)
+    # the thread that watches (made in `guarded_fit`'s thread): not counted, as it only polls files
+    watcher: int = field(default_factory=threading.get_native_id)
 
     @property
     def stopped(self) -> bool:
@@ -246,9 +248,9 @@ class RunnableBeat:
     a computing thread is always one or the other, so the fraction stays near 1 however loaded the
     machine, and a blocked thread is neither. CPU time alone is not enough: with two test workers on
     a 2-core CI machine a computing rank got less than `BUSY_FRACTION` of a core, and a fit that only
-    computed was taken for a hang. The rank's main thread is left out: it is the watcher polling these
+    computed was taken for a hang. The rank's watching thread is left out: it only polls these
     files, and under load a woken poller waits in the run queue too. Without schedstat, the process's
-    CPU time (utime + stime) stands in."""
+    CPU time (utime + stime) stands in. (A thread that ends within a window takes its share along.)"""
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
@@ -265,20 +267,21 @@ class RunnableBeat:
             start = self.since.get(p.pid)
             if start is not None and now - start[0] < BUSY_WINDOW:
                 continue
-            counters = self._counters(p.pid)
+            counters = self._counters(p.pid, p.watcher)
             if counters is None:
                 continue
-            if start is not None:
+            if start is not None and ("cpu" in counters) == ("cpu" in start[1]):  # else: a new window
                 demand = sum(value - start[1].get(key, 0.0) for key, value in counters.items())
                 busy = busy or demand >= BUSY_FRACTION * (now - start[0])
             self.since[p.pid] = (now, counters)
         return busy
 
-    def _counters(self, pid: int) -> dict[str, float] | None:
-        """Seconds each thread but the main one ran or waited to run; {"cpu": utime + stime} where
-        schedstat cannot be read; None when the process is gone."""
+    def _counters(self, pid: int, watcher: int) -> dict[str, float] | None:
+        """Seconds each thread but the watcher ran or waited to run; {"cpu": utime + stime} where
+        schedstat cannot be read (or reads all zeros: a kernel without schedstats and delay
+        accounting; every live thread has run); None when the process is gone."""
         try:
-            threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(pid)]
+            threads = [tid for tid in os.listdir(f"/proc/{pid}/task") if tid != str(watcher)]
         except OSError:
             return None
         counters: dict[str, float] = {}
@@ -288,7 +291,7 @@ class RunnableBeat:
             except (OSError, ValueError):
                 continue  # the thread ended, or no schedstat here
             counters[tid] = (int(ran) + int(waited)) / 1e9
-        if counters or not threads:
+        if any(counters.values()) or not threads:
             return counters
         cpu = self._cpu_seconds(pid)
         return None if cpu is None else {"cpu": cpu}

@@ -303,7 +303,7 @@ class RankPool:
             for proc in self.ranks:
                 if proc.rank in ended:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.popen.wait(timeout=1)  # exited: let the zygote reap it and say how
+                        proc.popen.wait(timeout=5)  # exited: let the zygote (maybe mid-import) say how
             return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if proc.rank in ended]
         return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if not proc.alive]
 

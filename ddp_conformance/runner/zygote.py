@@ -83,12 +83,16 @@ class Zygote:
 
     def fork(self, env: dict[str, str], log_path: str) -> int:
         self.wait_ready()
-        send(self.conn, Fork(env=env, log_path=log_path))
-        while True:
-            message = receive(self.conn)
-            if isinstance(message, Forked):
-                return message.pid
-            self._note(message)
+        try:
+            send(self.conn, Fork(env=env, log_path=log_path))
+            while True:
+                message = receive(self.conn)
+                if isinstance(message, Forked):
+                    self.exits.pop(message.pid, None)  # a pid used again: not the earlier rank's exit
+                    return message.pid
+                self._note(message)
+        except EOFError:
+            raise OSError("the rank zygote is gone") from None
 
     def warm_up(self) -> None:
         """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""
@@ -184,6 +188,14 @@ def _reap(conn: Connection) -> None:
         send(conn, Exited(pid=pid, status=status))
 
 
+def _import_quietly(name: str) -> None:
+    """A preload is an optimisation: one that fails is logged, and the ranks import it themselves."""
+    try:
+        __import__(name)
+    except Exception:
+        traceback.print_exc()
+
+
 def main(fd: int) -> int:
     from .rank import die_with_parent
 
@@ -199,7 +211,7 @@ def main(fd: int) -> int:
             _reap(conn)
             if not conn.poll(0.02):
                 if warmup and time.monotonic() > busy_until:
-                    __import__(warmup.pop(0))  # (torch._dynamo also writes os.environ: reset per rank)
+                    _import_quietly(warmup.pop(0))  # (torch._dynamo also writes os.environ: reset per rank)
                 continue
             busy_until = time.monotonic() + WARMUP_AFTER_IDLE
             request = receive(conn)

@@ -105,6 +105,7 @@ def test_a_rank_blocked_while_another_is_done_is_a_hang(ddp, tmp_path):
     from ddp_conformance.checks.progress import guarded_fit
 
     ctx = _context(ddp, tmp_path, stall_after=1.0)
+    _train_one_step()  # a rank's first optimizer imports torch._dynamo (~2 s of CPU): not the watcher's
     began, cpu = time.monotonic(), time.process_time()
     with pytest.raises(CheckFailed, match=r"training hangs: rank 1 stopped .* while rank 0 waits"):
         guarded_fit(ctx, "blocked", 1, lambda observer: (ddp.rank == 0 and time.sleep(20), _train_one_step()))
@@ -125,8 +126,11 @@ def overloaded_core():
     if not hasattr(os, "sched_setaffinity") or not os.path.exists(f"/proc/{os.getpid()}/task"):
         pytest.skip("needs Linux: CPU affinity and /proc")
     core = min(os.sched_getaffinity(0))
-    hog = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
-    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(3)]
+    hog = (f"import os\nos.sched_setaffinity(0, {{{core}}})\nprint('pinned', flush=True)\n"
+           f"while os.getppid() == {os.getpid()}:\n    sum(range(100000))\n")  # ends with its pytest
+    hogs = [subprocess.Popen([sys.executable, "-c", hog], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    for process in hogs:
+        assert process.stdout is not None and process.stdout.readline() == "pinned\n"
     try:
         yield core
     finally:
@@ -181,5 +185,11 @@ def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_n
 
     assert share < BUSY_FRACTION, f"the core was not loaded ({share:.2f} of it went to the thread)"
     assert busy
-    busy, _ = _beat_over(1.5, lambda stop: stop.wait())
+
+    def poll(stop) -> None:  # blocked, waking 100 times a second as gloo's event loop does
+        os.sched_setaffinity(0, {overloaded_core})
+        while not stop.wait(0.01):
+            pass
+
+    busy, _ = _beat_over(1.5, poll)
     assert not busy

@@ -192,8 +192,9 @@ def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop
         time.sleep(2)  # idle: an eager zygote would import WARMUP now
         assert _cpu_seconds(zygote.popen.pid) - cpu < 0.3, "the idle zygote imported what no rank asked for"
         assert run(first, "test_optimizer") == [True, True] and zygote.warming
-        cpu = _cpu_seconds(zygote.popen.pid)
+        cpu, deadline = _cpu_seconds(zygote.popen.pid), time.monotonic() + 60
         while _cpu_seconds(zygote.popen.pid) - cpu < 0.2:  # the zygote is importing WARMUP now
+            assert zygote.alive and time.monotonic() < deadline, "the zygote never began to import WARMUP"
             time.sleep(0.05)
         began = time.monotonic()
         first.stop()
