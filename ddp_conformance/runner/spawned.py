@@ -118,7 +118,7 @@ class PoolController:
         for key, value in verdict.figures.get(0, {}).items():
             item.user_properties.append((key, value))
         if verdict.outcome == SKIPPED:
-            pytest.skip(verdict.headline)
+            skip_at_item(verdict.headline)  # at the test's line, not this plugin's
         if verdict.outcome == XFAILED:
             pytest.xfail(verdict.headline)
         if verdict.failing_ranks or verdict.outcome == FAILED:

@@ -105,6 +105,9 @@ def test_skip_and_xfail_inside_ranks_propagate(pytester: pytest.Pytester) -> Non
     result = pytester.runpytest_subprocess("-rsx", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=1, xfailed=2)
     result.stdout.fnmatch_lines(["*SKIPPED*no data on this machine*", "*XFAIL*known bug 12*"])
+    # reported at the test, as a plain test's skip is, not at the plugin's line that re-raises it
+    result.stdout.fnmatch_lines(
+        ["SKIPPED * test_skip_and_xfail_inside_ranks_propagate.py:*: no data on this machine"])
 
 
 def test_fixtures_reach_ranks_and_output_is_prefixed(pytester: pytest.Pytester) -> None:
