@@ -155,20 +155,12 @@ def junit_median(junit: Path) -> float:
     return statistics.median(times[1:])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str, float]:
     """Seconds on a warm pool: the trivial test's median ("pool"), an empty test's ("empty"), one
     all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
     a floor under any per-test wall time)."""
     from ddp_conformance.runner.context import DdpPlan
+    from ddp_conformance.runner.process import cpu_seconds
     from ddp_conformance.runner.protocol import Task
     from ddp_conformance.runner.supervisor import RankPool
     from ddp_conformance.runner.zygote import Zygote
@@ -193,7 +185,7 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
             for _ in range(10):
                 pool.run(test, 60)
             times = []
-            cpu_before = sum(map(cpu_seconds, pids))
+            cpu_before = sum(cpu_seconds(pid) or 0.0 for pid in pids)
             for _ in range(warm_tests):
                 began = time.perf_counter()
                 run = pool.run(test, 60)
@@ -201,7 +193,7 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
                 assert all(reply.outcome == "passed" for reply in run.replies.values()), run.replies
             figures[key] = statistics.median(times)
             if key == "pool":
-                figures["rank_cpu"] = (sum(map(cpu_seconds, pids)) - cpu_before) / warm_tests
+                figures["rank_cpu"] = (sum(cpu_seconds(pid) or 0.0 for pid in pids) - cpu_before) / warm_tests
         figures["all_reduce"] = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
     finally:
         pool.stop()

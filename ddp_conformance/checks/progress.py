@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..adapter import FitObserver, StepInfo
+from ..runner.process import cpu_seconds
 from ..runner.verdict import ranks_label
 from .base import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
@@ -254,7 +255,6 @@ class RunnableBeat:
 
     def __init__(self) -> None:
         self.host = socket.gethostname()
-        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.since: dict[int, tuple[float, dict[str, float]]] = {}  # pid -> (wall time, counters) at its window's start
 
     def busy(self, progress: list[Progress | None], now: float) -> bool:
@@ -293,16 +293,8 @@ class RunnableBeat:
             counters[tid] = (int(ran) + int(waited)) / 1e9
         if any(counters.values()) or not threads:
             return counters
-        cpu = self._cpu_seconds(pid)
+        cpu = cpu_seconds(pid)
         return None if cpu is None else {"cpu": cpu}
-
-    def _cpu_seconds(self, pid: int) -> float | None:
-        """utime + stime of the process (fields 14 and 15 of /proc/PID/stat, after the command's parentheses)."""
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return None
-        return (int(fields[11]) + int(fields[12])) / self.tick
 
 
 def _watch(ctx: CheckContext, directory: Path, thread: threading.Thread, steps: int) -> list[Progress]:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -150,17 +149,13 @@ def test_optimizer(ddp):
 """
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop(tmp_path) -> None:
     """torch._dynamo costs ~2.4 s of CPU: the zygote imports it only after a rank has, and the pool
     learns that its ranks ended from their pidfds, not from the zygote busy importing."""
     import pickle
 
     from ddp_conformance.runner.context import DdpPlan
+    from ddp_conformance.runner.process import cpu_seconds
     from ddp_conformance.runner.protocol import WARMUP, Task
     from ddp_conformance.runner.supervisor import RankPool
     from ddp_conformance.runner.zygote import Zygote
@@ -188,12 +183,12 @@ def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop
     try:
         first = start(2)
         assert run(first, "test_nothing") == [False, False]
-        cpu = _cpu_seconds(zygote.popen.pid)
+        cpu = cpu_seconds(zygote.popen.pid)
         time.sleep(2)  # idle: an eager zygote would import WARMUP now
-        assert _cpu_seconds(zygote.popen.pid) - cpu < 0.3, "the idle zygote imported what no rank asked for"
+        assert cpu_seconds(zygote.popen.pid) - cpu < 0.3, "the idle zygote imported what no rank asked for"
         assert run(first, "test_optimizer") == [True, True] and zygote.warming
-        cpu, deadline = _cpu_seconds(zygote.popen.pid), time.monotonic() + 60
-        while _cpu_seconds(zygote.popen.pid) - cpu < 0.2:  # the zygote is importing WARMUP now
+        cpu, deadline = cpu_seconds(zygote.popen.pid), time.monotonic() + 60
+        while cpu_seconds(zygote.popen.pid) - cpu < 0.2:  # the zygote is importing WARMUP now
             assert zygote.alive and time.monotonic() < deadline, "the zygote never began to import WARMUP"
             time.sleep(0.05)
         began = time.monotonic()
