@@ -14,7 +14,7 @@ fit a check runs goes through `guarded_fit`:
   collective, so the harness must rebuild the ranks).
 - a rank that computes is not hung, events or not: every watcher reads how long the threads of every
   rank's process on its host ran or waited to run (`RunnableBeat`, from /proc with the pid each rank's
-  file gives), and a rank at `BUSY_FRACTION` or more counts as progress. A blocked rank does neither; a
+  file gives), and a rank with a thread at `BUSY_FRACTION` or more counts as progress. A blocked rank does neither; a
   first import of torch._dynamo or Lightning on a loaded CI machine can take far longer than
   `4 * stall_after` before the first event, and is not a hang. (Read from outside the process, since
   a rank's own watcher thread can wait ~0.6 s for the GIL while its fit computes.)
@@ -42,9 +42,14 @@ from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
-# of the wall time: above it a rank is computing (its threads ran or waited to run); a rank blocked in
-# a collective has ~0 (its watcher, the main thread, is not counted), a computing one ~1 less steal
-BUSY_FRACTION = 0.3
+# of the wall time: a rank is computing when one of its threads ran or waited to run for this much of
+# it. A computing thread is runnable throughout (0.97 measured on a core shared with 3 busy processes;
+# less only by the VM's steal); a blocked one that wakes 100 times a second, as gloo's event loop
+# does, 0.05-0.16 there, from the waits after its wake-ups. Judged per thread: summed over a process,
+# several such wakers (gloo's, an xdist worker's execnet thread) added up to a "computing" rank.
+BUSY_FRACTION = 0.5
+# of one core, for the fallback where schedstat is missing: the process's CPU time
+BUSY_CPU_FRACTION = 0.3
 BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
 
 
@@ -248,7 +253,7 @@ class RunnableBeat:
     Measured as the time the rank's threads ran *or waited to run* (`/proc/PID/task/TID/schedstat`):
     a computing thread is always one or the other, so the fraction stays near 1 however loaded the
     machine, and a blocked thread is neither. CPU time alone is not enough: with two test workers on
-    a 2-core CI machine a computing rank got less than `BUSY_FRACTION` of a core, and a fit that only
+    a 2-core CI machine a computing rank got less than `BUSY_CPU_FRACTION` of a core, and a fit that only
     computed was taken for a hang. The rank's watching thread is left out: it only polls these
     files, and under load a woken poller waits in the run queue too. Without schedstat, the process's
     CPU time (utime + stime) stands in. (A thread that ends within a window takes its share along.)"""
@@ -258,8 +263,9 @@ class RunnableBeat:
         self.since: dict[int, tuple[float, dict[str, float]]] = {}  # pid -> (wall time, counters) at its window's start
 
     def busy(self, progress: list[Progress | None], now: float) -> bool:
-        """Whether some rank's threads ran or waited to run for at least BUSY_FRACTION of its last
-        BUSY_WINDOW seconds (a window, not a poll: the fallback's CPU time moves in 10 ms ticks)."""
+        """Whether one thread of some rank ran or waited to run for at least BUSY_FRACTION of its
+        last BUSY_WINDOW seconds, or (fallback) the rank used BUSY_CPU_FRACTION of a core (a window,
+        not a poll: CPU time moves in 10 ms ticks)."""
         busy = False
         for p in progress:
             if p is None or not p.pid or p.host != self.host:
@@ -271,8 +277,9 @@ class RunnableBeat:
             if counters is None:
                 continue
             if start is not None and ("cpu" in counters) == ("cpu" in start[1]):  # else: a new window
-                demand = sum(value - start[1].get(key, 0.0) for key, value in counters.items())
-                busy = busy or demand >= BUSY_FRACTION * (now - start[0])
+                demand = max((value - start[1].get(key, 0.0) for key, value in counters.items()), default=0.0)
+                fraction = BUSY_CPU_FRACTION if "cpu" in counters else BUSY_FRACTION
+                busy = busy or demand >= fraction * (now - start[0])
             self.since[p.pid] = (now, counters)
         return busy
 

@@ -180,16 +180,42 @@ def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_n
             sum(range(1000))
 
     busy, share = _beat_over(1.5, compute)
-    # a quarter of a core: the process's CPU time alone would not reach BUSY_FRACTION
-    from ddp_conformance.checks.progress import BUSY_FRACTION
+    # a quarter of a core: the process's CPU time alone would not reach the fallback's share
+    from ddp_conformance.checks.progress import BUSY_CPU_FRACTION
 
-    assert share < BUSY_FRACTION, f"the core was not loaded ({share:.2f} of it went to the thread)"
+    assert share < BUSY_CPU_FRACTION, f"the core was not loaded ({share:.2f} of it went to the thread)"
     assert busy
 
-    def poll(stop) -> None:  # blocked, waking 100 times a second as gloo's event loop does
+    def wake(stop) -> None:  # blocked, waking 100 times a second as gloo's event loop does
         os.sched_setaffinity(0, {overloaded_core})
         while not stop.wait(0.01):
             pass
 
-    busy, _ = _beat_over(1.5, poll)
+    def wakers(stop) -> None:  # five of them (gloo's, an xdist worker's execnet thread...)
+        import threading
+
+        others = [threading.Thread(target=wake, args=(stop,)) for _ in range(4)]
+        for thread in others:
+            thread.start()
+        wake(stop)
+        for thread in others:
+            thread.join()
+
+    busy, _ = _beat_over(1.5, wakers)
     assert not busy
+
+
+def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(monkeypatch):
+    """Judged per thread: five wakers that each waited 12% of a window (a loaded machine) summed to
+    60%, and a blocked rank read as computing in CI; one thread runnable 90% of it is computing."""
+    from ddp_conformance.checks.progress import BUSY_WINDOW, Progress, RunnableBeat
+
+    def beat_over(per_thread: list[float]) -> bool:
+        counters = [{str(tid): 0.0 for tid in range(len(per_thread))},
+                    {str(tid): share * BUSY_WINDOW for tid, share in enumerate(per_thread)}]
+        monkeypatch.setattr(RunnableBeat, "_counters", lambda self, pid, watcher: counters.pop(0))
+        beat, rank = RunnableBeat(), [Progress(rank=0)]
+        return beat.busy(rank, 0.0) or beat.busy(rank, BUSY_WINDOW)
+
+    assert not beat_over([0.12] * 5)
+    assert beat_over([0.9, 0.01, 0.01])
