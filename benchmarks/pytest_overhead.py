@@ -26,8 +26,14 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
                  cores, half of it (plus the parent's share) bounds the wall time from below
   floor ms       plain growth + all_reduce: what a distributed test would add to a session if the
                  runner cost nothing at all (pytest's own per-test work, then the test's collective)
+  ddp cpu ms     CPU of the N2 session's whole process tree (pytest, zygote, ranks; /proc) per test,
+  plain cpu ms   over the same span as growth
+  all_reduce cpu one all_reduce's CPU summed over the ranks (every thread of each rank)
+  cpu floor ms   plain cpu + all_reduce cpu: the CPU any runner must spend on a trivial test
+  ddp cpu/cores  ddp cpu / the machine's cores: no schedule runs a test in less wall time than this
 Ratios: ddp junit / plain junit, ddp junit / all_reduce, ddp junit / pool, ddp growth / floor. The
-last row is the median of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores.
+last row is the median of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores,
+which needs ddp cpu <= 6 ms there.
 Figures move with load: other processes on a 2-core machine take the ranks' CPU.
 """
 
@@ -80,8 +86,29 @@ import time
 
 import torch  # imported before the session's clock starts, as by any distributed test module
 
+from ddp_conformance.runner.process import cpu_seconds
+
 DURATIONS = {}
 CLOCK = {}
+CPU = {}
+
+
+def tree_cpu():
+    """CPU seconds of this pytest process and all its descendants (zygote, ranks) so far."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    children.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu_seconds(pid) or 0.0
+        todo.extend(children.get(pid, []))
+    return total
 
 
 def pytest_sessionstart(session):
@@ -97,14 +124,18 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_runtest_logfinish(nodeid):
+    if "first_done" not in CLOCK:
+        CPU["first_done"] = tree_cpu()
     CLOCK.setdefault("first_done", time.perf_counter())
     CLOCK["last_done"] = time.perf_counter()
 
 
 def pytest_sessionfinish(session):
+    cpu = tree_cpu() - CPU["first_done"]  # the ranks still live: pools stop at pytest_unconfigure
     with open(os.environ["BENCH_DURATIONS"], "w") as handle:
         json.dump({"durations": list(DURATIONS.values()), "collect": CLOCK["collected"] - CLOCK["start"],
-                   "run": CLOCK["last_done"] - CLOCK["first_done"], "tests": len(DURATIONS)}, handle)
+                   "run": CLOCK["last_done"] - CLOCK["first_done"], "tests": len(DURATIONS),
+                   "cpu": cpu}, handle)
 '''
 POOL_SOURCE = '''
 import time
@@ -122,10 +153,11 @@ def test_empty(ddp):
 def test_floor(ddp):
     t = torch.ones(1)
     dist.barrier()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()  # process_time: every thread of the rank
     for _ in range(200):
         dist.all_reduce(t)
     ddp.figures["all_reduce_s"] = (time.perf_counter() - began) / 200
+    ddp.figures["all_reduce_cpu_s"] = (time.process_time() - cpu) / 200
 '''
 
 
@@ -144,7 +176,7 @@ def run_session(module: Path, junit: Path) -> dict[str, float]:
     if proc.returncode != 0:
         raise SystemExit(f"benchmark session failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     clock = json.loads(junit.with_suffix(".json").read_text())
-    return {"collect": clock["collect"], "run": clock["run"], "tests": clock["tests"]}
+    return {"collect": clock["collect"], "run": clock["run"], "tests": clock["tests"], "cpu": clock["cpu"]}
 
 
 def junit_median(junit: Path) -> float:
@@ -194,7 +226,9 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
             figures[key] = statistics.median(times)
             if key == "pool":
                 figures["rank_cpu"] = (sum(cpu_seconds(pid) or 0.0 for pid in pids) - cpu_before) / warm_tests
-        figures["all_reduce"] = pool.run(task("test_floor"), 60).replies[0].figures["all_reduce_s"]
+        floor = pool.run(task("test_floor"), 60).replies
+        figures["all_reduce"] = floor[0].figures["all_reduce_s"]
+        figures["all_reduce_cpu"] = sum(reply.figures["all_reduce_cpu_s"] for reply in floor.values())
     finally:
         pool.stop()
         zygote.close()
@@ -215,6 +249,7 @@ def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
     for kind in ("ddp", "plain"):
         session = clocks[(kind, args.n2)]
         figures[f"{kind}_growth"] = session["run"] / (session["tests"] - 1)  # the tests after the left-out one
+        figures[f"{kind}_cpu"] = session["cpu"] / (session["tests"] - 1)
         grown = session["collect"] - clocks[(kind, args.n1)]["collect"]
         figures[f"{kind}_collect"] = grown / (args.n2 - args.n1)
     figures.update(pool_figures(directory, args.world_size, args.warm_tests))
@@ -222,17 +257,22 @@ def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "ddp collect ms",
-           "plain collect ms", "pool ms", "empty ms", "all_reduce ms", "rank cpu ms", "floor ms", "ddp/plain",
-           "ddp/all_reduce", "ddp/pool", "growth/floor")
+           "plain collect ms", "pool ms", "empty ms", "all_reduce ms", "rank cpu ms", "floor ms", "ddp cpu ms",
+           "plain cpu ms", "all_reduce cpu ms", "cpu floor ms", "ddp/plain", "ddp/all_reduce", "ddp/pool",
+           "growth/floor", "ddp cpu/cores")
 
 
 def row(label: str, f: dict[str, float]) -> str:
     ms = ("ddp_junit", "plain_junit", "ddp_growth", "plain_growth", "ddp_collect", "plain_collect", "pool",
           "empty", "all_reduce", "rank_cpu")
     floor = f["plain_growth"] + f["all_reduce"]
+    cpu_floor = f["plain_cpu"] + f["all_reduce_cpu"]
+    cores = os.cpu_count() or 1
     cells = (label, *(f"{f[key] * 1e3:.2f}" for key in ms), f"{floor * 1e3:.2f}",
+             *(f"{f[key] * 1e3:.2f}" for key in ("ddp_cpu", "plain_cpu", "all_reduce_cpu")), f"{cpu_floor * 1e3:.2f}",
              f"{f['ddp_junit'] / f['plain_junit']:.1f}x", f"{f['ddp_junit'] / f['all_reduce']:.1f}x",
-             f"{f['ddp_junit'] / f['pool']:.2f}x", f"{f['ddp_growth'] / floor:.2f}x")
+             f"{f['ddp_junit'] / f['pool']:.2f}x", f"{f['ddp_growth'] / floor:.2f}x",
+             f"{f['ddp_cpu'] / cores * 1e3:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
