@@ -24,16 +24,14 @@ world of one, `world_of_one`; else a loss summed where DDP averages), world_size
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import pytest
 
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from .fit_step import judge_fit_step
+from .gradients import grads_of, max_delta, scale_ratio, single_process_adapter, unwrap, world_of_one
 from .states import item_digest
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
@@ -42,43 +40,6 @@ from .states import item_digest
 RTOL = {"32-true": 1e-5, "bf16-mixed": 2e-2}
 EXTRA_STEPS = 3
 SGD_LR = 0.05
-
-
-def _unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)
-
-
-def _grads(model: Any) -> dict[str, Any]:
-    return {name: (p.grad.detach().double().clone() if p.grad is not None else None)
-            for name, p in _unwrap(model).named_parameters() if p.requires_grad}
-
-
-def _max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
-    """(parameter, max |a - b|, max |b|) of the parameter whose delta is largest relative to b."""
-    worst = ("", 0.0, 0.0)
-    worst_rel = -1.0
-    for name, ref in b.items():
-        got = a.get(name)
-        if got is None or ref is None:
-            continue
-        delta = float((got - ref).abs().max()) if ref.numel() else 0.0
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        rel = delta / scale if scale > 0 else (0.0 if delta == 0 else float("inf"))
-        if rel > worst_rel:
-            worst, worst_rel = (name, delta, scale), rel
-    return worst
-
-
-def _ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
-    """Least-squares scale r with a ~ r*b over all parameters, and the relative residual."""
-    dot = sum(float((a[n] * b[n]).sum()) for n in b if a.get(n) is not None and b[n] is not None)
-    bb = sum(float((b[n] * b[n]).sum()) for n in b if b[n] is not None)
-    if bb == 0:
-        return float("nan"), float("inf")
-    r = dot / bb
-    res = sum(float(((a[n] - r * b[n]) ** 2).sum()) for n in b if a.get(n) is not None and b[n] is not None)
-    aa = sum(float((a[n] * a[n]).sum()) for n in b if a.get(n) is not None)
-    return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
 
 
 @dataclass
@@ -123,27 +84,32 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if rtol is None:
         pytest.skip(f"no measured gradient tolerance for precision {precision!r} "
                     f"(measured: {', '.join(RTOL)}); the check would be guessing")
-    wrapped, figures = _first_step(ctx, adapter, batch, rtol)
+    single = single_process_adapter(ctx) or adapter
+    wrapped, figures = _first_step(ctx, adapter, single, batch, rtol)
     _more_steps(ctx, adapter, batch, wrapped, figures)
+    judge_fit_step(ctx, single, rtol, figures)
     figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
     return figures
 
 
-def _first_step(ctx: CheckContext, adapter: Any, batch: GlobalBatch, rtol: float) -> tuple[Any, dict[str, Any]]:
+def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch,
+                rtol: float) -> tuple[Any, dict[str, Any]]:
     """The trainer's DDP step on this rank's shard against the single-process gradient of the
-    global batch (and of the shard alone); fails, naming a cause, where they differ."""
+    global batch (and of the shard alone), both computed by `single`, the trainer as set up in a
+    world of one; fails, naming a cause, where they differ."""
     world, rank = ctx.world_size, ctx.rank
-    reference, own = adapter.make_model().eval(), adapter.make_model().eval()
+    with world_of_one():
+        reference, own = single.make_model().eval(), single.make_model().eval()
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, batch.shard(0, rank))
     with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
-        single_loss = adapter.loss(reference, batch.whole())
+        single_loss = single.loss(reference, batch.whole())
         single_loss.backward()
-        adapter.loss(own, batch.shard(0, rank)).backward()
-    scaled = _scaled_by_world(adapter, batch, float(single_loss))
-    ddp_g, single_g, own_g = _grads(wrapped), _grads(reference), _grads(own)
-    name, delta, scale = _max_delta(ddp_g, single_g)
+        single.loss(own, batch.shard(0, rank)).backward()
+    cause = _scale_cause(adapter, single, batch, float(single_loss))
+    ddp_g, single_g, own_g = grads_of(wrapped), grads_of(reference), grads_of(own)
+    name, delta, scale = max_delta(ddp_g, single_g)
     tolerance = rtol * scale
     figures: dict[str, Any] = {"precision": ctx.config.trainer.precision, "rtol": rtol,
                                "per_rank_batch": batch.per_rank, "worst_parameter": name, "max_abs_delta": delta,
@@ -152,20 +118,36 @@ def _first_step(ctx: CheckContext, adapter: Any, batch: GlobalBatch, rtol: float
     accumulate = ctx.config.trainer.accumulate_grad_batches
     verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
                           or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
-                                      scaled))
+                                      cause))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
+    if delta > tolerance:
+        ctx.note(f"the DDP step's gradients are {fmt(scale_ratio(ddp_g, single_g)[0])}x the single-process "
+                 "gradients, uniformly: gradient clipping by norm (not judged)")
     return wrapped, figures
 
 
-def _scaled_by_world(adapter: Any, batch: GlobalBatch, single_loss: float) -> bool:
-    """Whether the trainer's loss, computed in the real world, is the world-of-one loss / world size."""
+def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: float) -> str:
+    """What would make gradients 1/world of the single-process ones, from the losses alone: "divided"
+    when the trainer's loss in the real world is the world-of-one loss / world size, "summed" when the
+    whole batch's loss is the sum of the shards' losses, "mean" when it is their mean (then the loss
+    is not to blame: something after backward divides the gradients), "" when none fits."""
     import torch
 
+    close = 1e-4 * abs(single_loss)
     with torch.no_grad():
-        in_world = float(adapter.loss(adapter.make_model().eval(), batch.whole()))
-    return batch.world > 1 and abs(in_world * batch.world - single_loss) <= 1e-4 * abs(single_loss) != 0
+        if batch.world > 1 and abs(float(adapter.loss(adapter.make_model().eval(), batch.whole())) * batch.world
+                                   - single_loss) <= close != 0:
+            return "divided"
+        with world_of_one():
+            model = single.make_model().eval()
+            shards = [float(single.loss(model, batch.shard(0, r))) for r in range(batch.world)]
+    if abs(sum(shards) - single_loss) <= close:
+        return "summed"
+    if abs(sum(shards) / len(shards) - single_loss) <= close:
+        return "mean"
+    return ""
 
 
 def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: Any, figures: dict[str, Any]) -> None:
@@ -183,7 +165,7 @@ def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: An
                 for p in wrapped.parameters():
                     if p.grad is not None:
                         p.add_(p.grad, alpha=-SGD_LR)
-    params = {n: p.detach().cpu().clone() for n, p in _unwrap(wrapped).named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in unwrap(wrapped).named_parameters()}
     everyone = all_gather(params)
     spread = max((float((everyone[0][n].double() - other[n].double()).abs().max()), n)
                  for other in everyone[1:] for n in params) if ctx.world_size > 1 else (0.0, "")
@@ -192,21 +174,6 @@ def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: An
         raise ctx.fail(f"parameters differ between ranks after {EXTRA_STEPS} more steps ({spread[1]} max |delta| "
                        f"{fmt(spread[0])}) although the first step's gradients matched: something after backward "
                        "changes gradients per rank", **figures)
-
-
-@contextlib.contextmanager
-def world_of_one() -> Iterator[None]:
-    """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
-    and `get_rank()` say 1 and 0, and WORLD_SIZE/RANK say so too, so a loss scaled by the world size
-    is not scaled in the reference it is compared with. (A name imported before, as in
-    `from torch.distributed import get_world_size`, keeps the real value: a limit said in docs/checks.md.)"""
-    import torch.distributed as dist
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dist, "get_world_size", lambda group=None: 1))
-        stack.enter_context(mock.patch.object(dist, "get_rank", lambda group=None: 0))
-        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
-        yield
 
 
 def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float) -> str:
@@ -221,21 +188,25 @@ def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float
 
 def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
              name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1,
-             scaled: bool = False) -> str:
-    """This rank's diagnosis, or "" when the gradients match; `scaled`: the trainer's loss in the real
-    world is 1/world of the same loss in a world of one."""
+             cause: str = "") -> str:
+    """This rank's diagnosis, or "" when the gradients match; `cause`: what the losses say about a
+    gradient of 1/world (`_scale_cause`)."""
     if missing:
         return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
                 f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")
     if delta <= tolerance:
         return ""
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(tolerance)})"
-    ratio, residual = _ratio(ddp_g, single_g)
+    ratio, residual = scale_ratio(ddp_g, single_g)
     close = 10 * rtol + 1e-6
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
-        if scaled:
+        if cause == "divided":
             return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is divided by the "
                     f"world size (dist.get_world_size()) on top of DDP's own averaging {where}")
+        if cause == "mean":
+            return (f"gradients are exactly 1/{world} of the single-process gradients although the loss is a mean: "
+                    f"the gradients are divided by the world size after backward, on top of DDP's own averaging "
+                    f"(a leftover of hand-written all-reduce averaging?) {where}")
         return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is summed where DDP "
                 f"averages (use a mean reduction) {where}")
     if accumulate > 1 and abs(ratio * world * accumulate - 1) < close and residual < close:
@@ -244,10 +215,12 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if world > 1 and abs(ratio / world - 1) < close and residual < close:
         return (f"gradients are exactly {world}x the single-process gradients: they are summed over ranks, not "
                 f"averaged {where}")
-    _, own_delta, own_scale = _max_delta(ddp_g, own_g)
+    _, own_delta, own_scale = max_delta(ddp_g, own_g)
     if world > 1 and own_delta <= rtol * own_scale:
         return (f"each rank's gradients equal the gradients of its own shard: no all-reduce happened (the model is "
                 f"not wrapped in DDP, or its gradients are never synchronised) {where}")
     if abs(ratio - 1) >= close and residual < close:
+        if ratio < 1:
+            return ""  # clipping by norm scales the averaged gradient alike everywhere: the caller notes it
         return f"gradients are {fmt(ratio)}x the single-process gradients {where}"
     return f"gradients differ from the single-process gradients of the global batch {where}"

@@ -10,7 +10,9 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   for a DDP model also its settings and whether the micro-batch synchronised gradients
   (`require_backward_grad_sync`, which `no_sync()` clears);
 - every optimizer step, through the global `register_optimizer_step_pre_hook`/`_post_hook`, and
-  whether the gradients it applied were all exactly zero;
+  whether the gradients it applied were all exactly zero; on request (`first_step=True`) the first
+  step itself: the parameters before its first micro-batch and the gradients the optimizer applied
+  (read after the step's closure where it has one, as Lightning's automatic optimization passes);
 - every pass of a DataLoader over its data and the dataset indices each batch drew, by wrapping the
   public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the fit (restored
   after; a DataLoader subclass that calls `super().__iter__()` is seen too). A loader whose batches
@@ -56,6 +58,17 @@ class LoaderPass:
 
 
 @dataclass
+class FirstStep:
+    """The fit's first optimizer step as the optimizer got it, in `model.parameters()` order of the
+    model the micro-batches ran through (unwrapped): enough to recompute that step in one process."""
+
+    params: list[Any]  # CPU copies, before the first micro-batch
+    grads: list[Any] | None = None  # float64 CPU copies of the gradients the first step applied
+    micro_batches: int = 0  # micro-batches that went into them
+    rng_drawn: bool = False  # torch's RNG advanced during them (dropout, random augmentation...)
+
+
+@dataclass
 class FitRecord:
     """Everything one fit did on this rank, as the hooks saw it."""
 
@@ -72,6 +85,7 @@ class FitRecord:
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
     optimizer: Any = field(default=None, repr=False)  # the first optimizer that stepped
+    first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
 
     def training_passes(self) -> list[LoaderPass]:
         return [p for p in self.passes if p.trained]
@@ -88,8 +102,9 @@ class FitRecorder:
 
     _lock = threading.Lock()
 
-    def __init__(self, listener: Any = None, rank: int = 0) -> None:
+    def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False) -> None:
         self.record = FitRecord()
+        self._capture_first_step = first_step
         self.listener = listener
         self.rank = rank
         self._stack = contextlib.ExitStack()
@@ -146,6 +161,8 @@ class FitRecorder:
         if first:
             record.model_type, record.model = type(model).__name__, model
             record.first_rng = input_digest(self._torch.get_rng_state())
+            if self._capture_first_step:
+                record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
@@ -179,11 +196,36 @@ class FitRecorder:
             opened, self._open = self._open, None
             self.listener.after_step(opened)
 
-    def _on_optimizer_pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             self.record.grad_steps += 1
             self.record.nonzero_grad_steps += any(bool(g.any()) for g in grads)
+        first = self.record.first_step
+        if not self._capture_first_step or self.record.optimizer_steps or (first is not None and first.grads):
+            return None  # (Lightning's first step runs its first micro-batch inside the closure: no `first` yet)
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._take_first_grads()
+            return None
+
+        def closure_then_take() -> Any:  # the step's backward runs inside its closure
+            result = closure()
+            self._take_first_grads()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_take}
+        return (closure_then_take, *args[1:]), kwargs
+
+    def _take_first_grads(self) -> None:
+        record = self.record
+        if record.first_step is None or record.model is None:
+            return
+        grads = [p.grad for p in unwrapped(record.model).parameters()]
+        record.first_step.grads = [g.detach().double().cpu().clone() if g is not None else None for g in grads]
+        record.first_step.micro_batches = record.micro_batches
+        record.first_step.rng_drawn = input_digest(self._torch.get_rng_state()) != record.first_rng
 
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
@@ -215,6 +257,11 @@ class FitRecorder:
             return _recorded(original(sampler), target)
 
         return __iter__
+
+
+def unwrapped(model: Any) -> Any:
+    """The model inside DDP (or any wrapper that keeps it as `.module`)."""
+    return getattr(model, "module", model)
 
 
 def _trainable(module: Any) -> bool:
@@ -256,7 +303,11 @@ def input_digest(value: Any) -> str:
 
 
 def _new_pass(loader: Any) -> LoaderPass:
-    sampler = getattr(loader, "sampler", None)
+    # the sampler that orders the samples: a batch_sampler's own (DataLoader(batch_sampler=
+    # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler)
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if sampler is None:
+        sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)
     try:
         length = len(loader)

@@ -112,6 +112,26 @@ def test_unusual_but_correct_sampling_is_recognised_not_just_passed(session: dic
     assert result["outcome"] == "passed" and result["figures"]["scheme"] == scheme, result
 
 
+def test_clipping_by_norm_is_recognised_in_the_step_and_in_the_fit_not_just_passed(session: dict[str, Any]) -> None:
+    control = f"{ROOT / 'fixtures' / 'mutants' / 'clips_grad_norm.py'}:Trainer"
+    result = session["results"][control]["gradient_equivalence"]
+    assert result["outcome"] == "passed" and result["figures"]["fit_step"] == "judged", result
+    clipping = [note for note in result["figures"]["notes"] if "gradient clipping by norm" in note]
+    assert [note.split(" gradients are")[0] for note in clipping] == ["the DDP step's", "the fit's first step's"]
+
+
+def test_without_a_fit_the_gradients_are_still_judged_from_the_step(session: dict[str, Any]) -> None:
+    result = session["results"][f"{ROOT / 'fixtures' / 'mutants' / 'step_only.py'}:Trainer"]["gradient_equivalence"]
+    assert result["outcome"] == "passed" and result["figures"]["fit_step"] == "not judged", result
+    assert any("not judged: trainer step_only does not provide fit" in note for note in result["figures"]["notes"])
+
+
+def test_the_fit_itself_is_judged_for_both_references(session: dict[str, Any]) -> None:
+    for spec in REFERENCES:
+        figures = session["results"][spec]["gradient_equivalence"]["figures"]
+        assert figures["fit_step"] == "judged" and figures["fit_step_max_rel_delta"] <= figures["rtol"], figures
+
+
 def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:
     proven = set().union(*(declared(path, "BREAKS") for path in MUTANTS))
     assert proven == set(CHECK_IDS)

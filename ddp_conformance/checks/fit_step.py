@@ -1,0 +1,180 @@
+"""gradient_equivalence's second look: the trainer's own fit, at its first optimizer step.
+
+`train_step` is the adapter's restatement of one step; the loop `fit` runs may scale, accumulate or
+zero gradients differently (a loss divided by the world size in the loop, `zero_grad` on every
+micro-batch of an accumulation window, a loss never divided by the accumulation). So a one-step fit
+runs under the recorder (`observe.FirstStep`), which keeps the parameters before its first
+micro-batch, the gradients its optimizer applied, and the dataset indices each rank's loader drew.
+Every rank then recomputes in one process (`world_of_one`, the trainer as set up in a world of one)
+the gradient of all the samples the ranks drew for that step, from those parameters, with the
+trainer's `loss`, and compares per parameter with the same tolerance as the first look.
+
+Where one process cannot recompute that step exactly, the step is noted as not judged rather than
+guessed at: the fit drew random numbers during the step (dropout, random augmentation), BatchNorm in
+training mode (each rank normalises by its own micro-batch), no dataset indices (no `BatchSampler`),
+micro-batches of unequal sizes, a model whose parameters do not match `make_model`'s. Dropout from the
+run config is set to 0 for this fit. A uniform scale below 1 that is no known bug's ratio is gradient
+clipping by norm, legitimately applied to the averaged gradient: noted, not failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ..adapter import NotProvided
+from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from .gradients import max_delta, scale_ratio, single_process_adapter, world_of_one
+from .observe import FitRecord, unwrapped
+from .progress import guarded_fit
+
+LABEL = "fit_step"
+
+
+def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[str, Any]) -> None:
+    """Fail when the gradients the fit's first optimizer step applied are not the single-process
+    gradient of the samples its ranks drew; `single` is the first look's world-of-one adapter."""
+    __tracebackhide__ = hide_on_verdict
+    if not ctx.shared:
+        ctx.note("the fit's first step is not judged: the ranks share no directory to watch a fit through")
+        return
+    config = ctx.config
+    if config.model.dropout:
+        config = replace(config, model=replace(config.model, dropout=0.0))
+        single = single_process_adapter(ctx, config) or single
+    adapter = ctx.adapter(config)
+    try:
+        guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
+    except NotProvided as exc:  # the first look stands on its own
+        figures["fit_step"] = "not judged"
+        ctx.note(f"the fit's first optimizer step is not judged: {exc}")
+        return
+    record = ctx.recordings[LABEL]
+    problems = [p for p in all_gather(_unjudgeable(record)) if p]
+    if problems:
+        figures["fit_step"] = "not judged"
+        ctx.note(f"the fit's first optimizer step is not recomputed: {problems[0]}")
+        return
+    first = record.first_step
+    assert first is not None and first.grads is not None
+    drawn = all_gather(record.training_passes()[0].batches[:first.micro_batches])
+    if len({len(batch) for batches in drawn for batch in batches}) > 1:
+        figures["fit_step"] = "not judged"
+        ctx.note("the fit's first optimizer step is not recomputed: its micro-batches differ in size, so their "
+                 "mean is not the mean over their samples")
+        return
+    _compare(ctx, adapter, single, record, drawn, rtol, figures)
+
+
+def _unjudgeable(record: FitRecord) -> str:
+    """Why this rank's first step cannot be recomputed in one process, or ""."""
+    import torch
+
+    first = record.first_step
+    if first is None or first.grads is None:
+        return "no optimizer step of the fit was seen"
+    if first.rng_drawn:
+        return "the fit drew random numbers during it (dropout, random augmentation), which one process cannot redraw"
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    if any(isinstance(m, norms) and m.training for m in unwrapped(record.model).modules()):
+        return "the model has BatchNorm in training mode, which normalises each micro-batch by its own statistics"
+    passes = record.training_passes()
+    if not passes or not passes[0].indexed or len(passes[0].batches) < first.micro_batches:
+        return "its loader draws no dataset indices through a BatchSampler"
+    return ""
+
+
+def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, drawn: list[list[list[int]]],
+             rtol: float, figures: dict[str, Any]) -> None:
+    first = record.first_step
+    assert first is not None and first.grads is not None
+    dataset = adapter.make_dataset()
+
+    def gradient(batches: list[list[list[int]]]) -> dict[str, Any] | None:
+        items = [dataset[i] for rank in batches for batch in rank for i in batch]
+        return _recomputed(single, adapter.collate, first.params, items)
+
+    whole = gradient(drawn)
+    if whole is None:
+        figures["fit_step"] = "not judged"
+        ctx.note("the fit's first optimizer step is not recomputed: the fit's model has other parameters than "
+                 "make_model()'s")
+        return
+    fit = dict(zip(whole, first.grads, strict=True))
+    name, delta, scale = max_delta(fit, whole)
+    figures.update(fit_step="judged", fit_step_micro_batches=first.micro_batches,
+                   fit_step_max_rel_delta=delta / scale if scale else 0.0)
+    evidence = _Evidence(fit, whole, lambda: gradient([drawn[ctx.rank]]),
+                         lambda: gradient([[rank[-1]] for rank in drawn]), ctx.world_size, first.micro_batches)
+    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
+    verdict = "" if delta <= rtol * scale else evidence.diagnosis(rtol, where)
+    failing = [v for v in all_gather(verdict) if v]
+    if failing:
+        raise ctx.fail(failing[0], **figures)
+    ratio, _ = scale_ratio(fit, whole)
+    if delta > rtol * scale:  # uniform, below 1, no bug's ratio: clipping by norm
+        ctx.note(f"the fit's first step's gradients are {fmt(ratio)}x the single-process gradients, uniformly: "
+                 "gradient clipping by norm (not judged)")
+
+
+def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
+    """The single-process gradient of `items` from `params`, by name; None if the shapes differ."""
+    import torch
+
+    with world_of_one():
+        model = single.make_model().train()
+        mine = list(model.parameters())
+        if [tuple(p.shape) for p in mine] != [tuple(p.shape) for p in params]:
+            return None
+        with torch.no_grad():
+            for target, value in zip(mine, params, strict=True):
+                target.copy_(value)
+        single.loss(model, collate(items)).backward()
+    return {name: p.grad.detach().double().cpu() if p.grad is not None else None
+            for name, p in model.named_parameters()}
+
+
+class _Evidence:
+    """The fit's gradients against the recomputed ones, with the other recomputations a diagnosis may
+    need (this rank's samples alone; each rank's last micro-batch alone), made only when asked."""
+
+    def __init__(self, fit: dict[str, Any], whole: dict[str, Any], own: Any, last: Any, world: int,
+                 micro: int) -> None:
+        self.fit, self.whole, self.own, self.last, self.world, self.micro = fit, whole, own, last, world, micro
+
+    def diagnosis(self, rtol: float, where: str) -> str:
+        head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
+                f"gradient of the samples its ranks drew for it ({self.micro} micro-batch(es) per rank)")
+        missing = [n for n, g in self.fit.items() if g is None and self.whole.get(n) is not None]
+        if missing:
+            return f"{head}: parameter {missing[0]} gets no gradient in the fit"
+        ratio, residual = scale_ratio(self.fit, self.whole)
+        close = 10 * rtol + 1e-6
+        uniform = residual < close
+        if uniform and self.world > 1 and abs(ratio * self.world - 1) < close:
+            return (f"{head}: exactly 1/{self.world} of it, the fit's loop divides the loss or the gradients by the "
+                    f"world size on top of DDP's own averaging {where}")
+        if uniform and self.world > 1 and abs(ratio / self.world - 1) < close:
+            return f"{head}: exactly {self.world}x it, the fit's loop sums gradients over ranks {where}"
+        if uniform and self.micro > 1 and abs(ratio * self.micro - 1) < close:
+            return (f"{head}: exactly 1/{self.micro} of it, the loop divides each micro-batch's loss by the "
+                    f"accumulation twice {where}")
+        if uniform and self.micro > 1 and abs(ratio / self.micro - 1) < close:
+            return (f"{head}: exactly {self.micro}x it, the loop adds up its {self.micro} accumulated micro-batch "
+                    f"losses without dividing by the accumulation {where}")
+        if uniform and ratio < 1 - close:
+            return ""  # clipping by norm scales the averaged gradient: the caller notes it
+        if self.micro > 1 and _proportional(self.fit, self.last(), close):
+            return (f"{head}: they come from the last micro-batch of the {self.micro}-batch accumulation window only, "
+                    f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
+        if self.world > 1 and _proportional(self.fit, self.own(), close, exact=True):
+            return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
+                    f"model it trains is not the DDP-wrapped one?) {where}")
+        return f"{head} {where}"
+
+
+def _proportional(a: dict[str, Any], b: dict[str, Any] | None, close: float, exact: bool = False) -> bool:
+    if b is None:
+        return False
+    ratio, residual = scale_ratio(a, b)
+    return residual < close and (not exact or abs(ratio - 1) < close)

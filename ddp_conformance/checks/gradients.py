@@ -1,0 +1,84 @@
+"""Gradients compared the way gradient_equivalence compares them: per parameter, as float64 on the
+CPU, relative to the single-process gradient's largest value, with the least-squares scale between
+two sets (a bug that scales every gradient alike reads as one number: 1/world, world...), and the
+single-process side computed as in a world of one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+from unittest import mock
+
+from .base import CheckContext
+from .guard import GuardedAdapter
+
+
+def unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def grads_of(model: Any) -> dict[str, Any]:
+    return {name: (p.grad.detach().double().cpu().clone() if p.grad is not None else None)
+            for name, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
+    """(parameter, max |a - b|, max |b|) of the parameter whose delta is largest relative to b."""
+    worst = ("", 0.0, 0.0)
+    worst_rel = -1.0
+    for name, ref in b.items():
+        got = a.get(name)
+        if got is None or ref is None:
+            continue
+        delta = float((got - ref).abs().max()) if ref.numel() else 0.0
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        rel = delta / scale if scale > 0 else (0.0 if delta == 0 else float("inf"))
+        if rel > worst_rel:
+            worst, worst_rel = (name, delta, scale), rel
+    return worst
+
+
+def scale_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """Least-squares scale r with a ~ r*b over all parameters, and the relative residual."""
+    dot = sum(float((a[n] * b[n]).sum()) for n in b if a.get(n) is not None and b[n] is not None)
+    bb = sum(float((b[n] * b[n]).sum()) for n in b if b[n] is not None)
+    if bb == 0:
+        return float("nan"), float("inf")
+    r = dot / bb
+    res = sum(float(((a[n] - r * b[n]) ** 2).sum()) for n in b if a.get(n) is not None and b[n] is not None)
+    aa = sum(float((a[n] * a[n]).sum()) for n in b if a.get(n) is not None)
+    return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[None]:
+    """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
+    and `get_rank()` say 1 and 0, and WORLD_SIZE/RANK say so too, so a loss scaled by the world size
+    is not scaled in the reference it is compared with. (A name imported before, as in
+    `from torch.distributed import get_world_size`, keeps the real value: a limit said in docs/checks.md.)"""
+    import torch.distributed as dist
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(dist, "get_world_size", lambda group=None: 1))
+        stack.enter_context(mock.patch.object(dist, "get_rank", lambda group=None: 0))
+        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
+        yield
+
+def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
+    """A fresh adapter set up as rank 0 of a world of one, inside `world_of_one`: a trainer that reads
+    the world size once, at setup (`self.world = dist.get_world_size()`, `ctx.world_size`), reads 1
+    there, as it would in a real single-process run. None (with a note) if its setup cannot do that."""
+    one = replace(ctx.rank_ctx, rank=0, local_rank=0, world_size=1, num_nodes=1, workdir=ctx.workdir)
+    try:
+        with world_of_one(), ctx.training():
+            adapter = GuardedAdapter(ctx.factory())
+            adapter.setup(config or ctx.config, one)
+    except Exception as exc:  # its setup needs the real world: the real adapter stands in
+        ctx.note(f"the single-process reference uses the trainer as set up for world size {ctx.world_size}: "
+                 f"its setup as rank 0 of 1 raised {type(exc).__name__}: {exc}")
+        return None
+    return adapter
