@@ -31,7 +31,8 @@ import pytest
 
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
-from .gradients import grads_of, max_delta, scale_ratio, single_process_adapter, unwrap, world_of_one
+from .gradients import grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .observe import unwrapped
 from .states import item_digest
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
@@ -165,7 +166,7 @@ def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: An
                 for p in wrapped.parameters():
                     if p.grad is not None:
                         p.add_(p.grad, alpha=-SGD_LR)
-    params = {n: p.detach().cpu().clone() for n, p in unwrap(wrapped).named_parameters()}
+    params = {n: p.detach().cpu().clone() for n, p in unwrapped(wrapped).named_parameters()}
     everyone = all_gather(params)
     spread = max((float((everyone[0][n].double() - other[n].double()).abs().max()), n)
                  for other in everyone[1:] for n in params) if ctx.world_size > 1 else (0.0, "")

@@ -15,15 +15,12 @@ from unittest import mock
 
 from .base import CheckContext
 from .guard import GuardedAdapter
-
-
-def unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)
+from .observe import unwrapped
 
 
 def grads_of(model: Any) -> dict[str, Any]:
     return {name: (p.grad.detach().double().cpu().clone() if p.grad is not None else None)
-            for name, p in unwrap(model).named_parameters() if p.requires_grad}
+            for name, p in unwrapped(model).named_parameters() if p.requires_grad}
 
 
 def max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
