@@ -95,12 +95,13 @@ class CheckContext:
     def world_size(self) -> int:
         return self.rank_ctx.world_size
 
-    def adapter(self, config: RunConfig | None = None) -> TrainerAdapter:
-        """A fresh adapter, set up with `config` (default: the run's config). Counted as the
-        trainer's time: building it may import the trainer's framework (Lightning: ~3 s once)."""
+    def adapter(self, config: RunConfig | None = None, rank_ctx: RankContext | None = None) -> TrainerAdapter:
+        """A fresh adapter, set up with `config` (default: the run's config) as `rank_ctx` (default:
+        this rank). Counted as the trainer's time: building it may import the trainer's framework
+        (Lightning: ~3 s once)."""
         with self.training():
             adapter = GuardedAdapter(self.factory())
-            adapter.setup(config or self.config, replace(self.rank_ctx, workdir=self.workdir))
+            adapter.setup(config or self.config, replace(rank_ctx or self.rank_ctx, workdir=self.workdir))
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
     def note(self, text: str) -> None:

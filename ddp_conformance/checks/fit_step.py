@@ -19,6 +19,7 @@ clipping by norm, legitimately applied to the averaged gradient: noted, not fail
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -41,8 +42,9 @@ def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[st
     config = ctx.config
     if config.model.dropout:
         config = replace(config, model=replace(config.model, dropout=0.0))
-        single = single_process_adapter(ctx, config) or single
     adapter = ctx.adapter(config)
+    if config is not ctx.config:  # the reference without dropout too (else the dropout-free adapter)
+        single = single_process_adapter(ctx, config) or adapter
     try:
         guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
     except NotProvided as exc:  # the first look stands on its own
@@ -104,17 +106,16 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
     name, delta, scale = max_delta(fit, whole)
     figures.update(fit_step="judged", fit_step_micro_batches=first.micro_batches,
                    fit_step_max_rel_delta=delta / scale if scale else 0.0)
-    evidence = _Evidence(fit, whole, lambda: gradient([drawn[ctx.rank]]),
-                         lambda: gradient([[rank[-1]] for rank in drawn]), ctx.world_size, first.micro_batches)
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
-    verdict = "" if delta <= rtol * scale else evidence.diagnosis(rtol, where)
+    verdict = "" if delta <= rtol * scale else _diagnosis(
+        fit, whole, lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn]),
+        ctx.world_size, first.micro_batches, rtol, where)
     failing = [v for v in all_gather(verdict) if v]
     if failing:
         raise ctx.fail(failing[0], **figures)
-    ratio, _ = scale_ratio(fit, whole)
     if delta > rtol * scale:  # uniform, below 1, no bug's ratio: clipping by norm
-        ctx.note(f"the fit's first step's gradients are {fmt(ratio)}x the single-process gradients, uniformly: "
-                 "gradient clipping by norm (not judged)")
+        ctx.note(f"the fit's first step's gradients are {fmt(scale_ratio(fit, whole)[0])}x the single-process "
+                 "gradients, uniformly: gradient clipping by norm (not judged)")
 
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
@@ -134,43 +135,39 @@ def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) 
             for name, p in model.named_parameters()}
 
 
-class _Evidence:
-    """The fit's gradients against the recomputed ones, with the other recomputations a diagnosis may
-    need (this rank's samples alone; each rank's last micro-batch alone), made only when asked."""
-
-    def __init__(self, fit: dict[str, Any], whole: dict[str, Any], own: Any, last: Any, world: int,
-                 micro: int) -> None:
-        self.fit, self.whole, self.own, self.last, self.world, self.micro = fit, whole, own, last, world, micro
-
-    def diagnosis(self, rtol: float, where: str) -> str:
-        head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
-                f"gradient of the samples its ranks drew for it ({self.micro} micro-batch(es) per rank)")
-        missing = [n for n, g in self.fit.items() if g is None and self.whole.get(n) is not None]
-        if missing:
-            return f"{head}: parameter {missing[0]} gets no gradient in the fit"
-        ratio, residual = scale_ratio(self.fit, self.whole)
-        close = 10 * rtol + 1e-6
-        uniform = residual < close
-        if uniform and self.world > 1 and abs(ratio * self.world - 1) < close:
-            return (f"{head}: exactly 1/{self.world} of it, the fit's loop divides the loss or the gradients by the "
-                    f"world size on top of DDP's own averaging {where}")
-        if uniform and self.world > 1 and abs(ratio / self.world - 1) < close:
-            return f"{head}: exactly {self.world}x it, the fit's loop sums gradients over ranks {where}"
-        if uniform and self.micro > 1 and abs(ratio * self.micro - 1) < close:
-            return (f"{head}: exactly 1/{self.micro} of it, the loop divides each micro-batch's loss by the "
-                    f"accumulation twice {where}")
-        if uniform and self.micro > 1 and abs(ratio / self.micro - 1) < close:
-            return (f"{head}: exactly {self.micro}x it, the loop adds up its {self.micro} accumulated micro-batch "
-                    f"losses without dividing by the accumulation {where}")
-        if uniform and ratio < 1 - close:
-            return ""  # clipping by norm scales the averaged gradient: the caller notes it
-        if self.micro > 1 and _proportional(self.fit, self.last(), close):
-            return (f"{head}: they come from the last micro-batch of the {self.micro}-batch accumulation window only, "
-                    f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
-        if self.world > 1 and _proportional(self.fit, self.own(), close, exact=True):
-            return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
-                    f"model it trains is not the DDP-wrapped one?) {where}")
-        return f"{head} {where}"
+def _diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
+               world: int, micro: int, rtol: float, where: str) -> str:
+    """Why the fit's gradients differ from `whole`, the recomputed ones, or "" for clipping by norm;
+    `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
+    gradients, only when a diagnosis needs them."""
+    head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
+            f"gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)")
+    missing = [n for n, g in fit.items() if g is None and whole.get(n) is not None]
+    if missing:
+        return f"{head}: parameter {missing[0]} gets no gradient in the fit"
+    ratio, residual = scale_ratio(fit, whole)
+    close = 10 * rtol + 1e-6
+    uniform = residual < close
+    if uniform and world > 1 and abs(ratio * world - 1) < close:
+        return (f"{head}: exactly 1/{world} of it, the fit's loop divides the loss or the gradients by the "
+                f"world size on top of DDP's own averaging {where}")
+    if uniform and world > 1 and abs(ratio / world - 1) < close:
+        return f"{head}: exactly {world}x it, the fit's loop sums gradients over ranks {where}"
+    if uniform and micro > 1 and abs(ratio * micro - 1) < close:
+        return (f"{head}: exactly 1/{micro} of it, the loop divides each micro-batch's loss by the "
+                f"accumulation twice {where}")
+    if uniform and micro > 1 and abs(ratio / micro - 1) < close:
+        return (f"{head}: exactly {micro}x it, the loop adds up its {micro} accumulated micro-batch "
+                f"losses without dividing by the accumulation {where}")
+    if uniform and ratio < 1 - close:
+        return ""  # clipping by norm scales the averaged gradient: the caller notes it
+    if micro > 1 and _proportional(fit, last(), close):
+        return (f"{head}: they come from the last micro-batch of the {micro}-batch accumulation window only, "
+                f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
+    if world > 1 and _proportional(fit, own(), close, exact=True):
+        return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
+                f"model it trains is not the DDP-wrapped one?) {where}")
+    return f"{head} {where}"
 
 
 def _proportional(a: dict[str, Any], b: dict[str, Any] | None, close: float, exact: bool = False) -> bool:

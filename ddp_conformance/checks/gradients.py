@@ -14,7 +14,6 @@ from typing import Any
 from unittest import mock
 
 from .base import CheckContext
-from .guard import GuardedAdapter
 from .observe import unwrapped
 
 
@@ -65,17 +64,16 @@ def world_of_one() -> Iterator[None]:
         stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
         yield
 
+
 def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
     """A fresh adapter set up as rank 0 of a world of one, inside `world_of_one`: a trainer that reads
     the world size once, at setup (`self.world = dist.get_world_size()`, `ctx.world_size`), reads 1
     there, as it would in a real single-process run. None (with a note) if its setup cannot do that."""
-    one = replace(ctx.rank_ctx, rank=0, local_rank=0, world_size=1, num_nodes=1, workdir=ctx.workdir)
+    one = replace(ctx.rank_ctx, rank=0, local_rank=0, world_size=1, num_nodes=1)
     try:
-        with world_of_one(), ctx.training():
-            adapter = GuardedAdapter(ctx.factory())
-            adapter.setup(config or ctx.config, one)
+        with world_of_one():
+            return ctx.adapter(config, one)
     except Exception as exc:  # its setup needs the real world: the real adapter stands in
         ctx.note(f"the single-process reference uses the trainer as set up for world size {ctx.world_size}: "
                  f"its setup as rank 0 of 1 raised {type(exc).__name__}: {exc}")
         return None
-    return adapter
