@@ -219,3 +219,26 @@ def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(
 
     assert not beat_over([0.12] * 5)
     assert beat_over([0.9, 0.01, 0.01])
+
+
+def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
+    import torch
+
+    from ddp_conformance.checks.fit_step import _unjudgeable
+    from ddp_conformance.checks.observe import FirstStep, FitRecord, LoaderPass
+
+    def record(model=None, rng_drawn=False, grads=True, indexed=True):
+        model = model or torch.nn.Linear(2, 2)
+        step = FirstStep([p.detach() for p in model.parameters()], [torch.zeros(1)] if grads else None, 1, rng_drawn)
+        loader = LoaderPass(length=4, dataset_size=8, sampler="DistributedSampler", shuffle=True, batches=[[0, 1]],
+                            indexed=indexed, trained=True)
+        return FitRecord(model=model, first_step=step, passes=[loader])
+
+    assert _unjudgeable(record()) == ""
+    assert "no optimizer step" in _unjudgeable(FitRecord())
+    assert "no optimizer step" in _unjudgeable(record(grads=False))
+    assert "drew random numbers during it (dropout" in _unjudgeable(record(rng_drawn=True))
+    batchnorm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    assert "BatchNorm in training mode" in _unjudgeable(record(model=batchnorm))
+    assert _unjudgeable(record(model=batchnorm.eval())) == ""
+    assert "no dataset indices through a BatchSampler" in _unjudgeable(record(indexed=False))
