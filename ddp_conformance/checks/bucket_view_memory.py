@@ -3,6 +3,9 @@
 - The setting is the trainer's: what its DDP reports (`_get_ddp_logging_data`) when it wraps a model
   with the run's config, and what its config says after its own `setup` (the `--ddp-config` file, or
   what the trainer made of it). Nothing is forced on the trainer's verdict.
+- The DDP measured is `wrap`'s, a restatement: a one-step fit shows the setting of the DDP the fit
+  itself builds (`observe.FitRecorder`), and the two must agree. A Lightning `strategy()` that lists
+  the DDP kwargs by hand and drops the flag passes `wrap` and fails here.
 - On (DDP reports it): the gradients must be views into DDP's buckets, and a measured training step
   must hold at least 90% of one gradient copy less than the same step with the flag off; else fail.
 - Claimed by the config but off in DDP: fail ("never reaches DDP"), with the measured figures.
@@ -33,9 +36,11 @@ from typing import Any
 
 import pytest
 
+from ..adapter import NotProvided
 from ..config import ModelConfig
 from .base import CheckContext, all_gather, hide_on_verdict, human_bytes
 from .memory import StepMemory, heap_counter, measure_step
+from .progress import guarded_fit
 
 MIN_GRAD_BYTES = 1 << 20
 MEASURE_MODEL = ModelConfig(input_dim=256, hidden=(512, 512), num_classes=16)
@@ -115,7 +120,32 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
     finally:
         gc.unfreeze()
+    _fit_agrees(ctx, declared, own_run)
     return _judge(ctx, mode, declared, own_run, runs)
+
+
+def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -> None:
+    """Fail when the DDP the trainer's own fit builds has another gradient_as_bucket_view than the
+    DDP its `wrap` builds (measured above): the memory judged would not be the fit's."""
+    __tracebackhide__ = hide_on_verdict
+    if not ctx.shared or not own_run.is_ddp:  # no directory to watch a fit through / nothing to compare with
+        return
+    try:
+        guarded_fit(ctx, "fit-setting", 1, lambda observer: ctx.adapter().fit(1, observer=observer))
+    except NotProvided:
+        return
+    ddp = ctx.recordings["fit-setting"].ddp
+    fit_flags = all_gather(None if ddp is None else bool(ddp.get("gradient_as_bucket_view")))
+    ctx.figures["fit_ddp_gradient_as_bucket_view"] = fit_flags[0]
+    if None in fit_flags or all(flag == bool(own_run.ddp_flag) for flag in fit_flags):
+        return
+    if declared and not all(fit_flags):
+        raise ctx.fail("gradient_as_bucket_view: true never reaches DDP in the fit: the DistributedDataParallel the "
+                       "trainer's fit builds reports gradient_as_bucket_view=False, while its wrap() passes it on "
+                       "(does the fit build its DDP, or a Lightning strategy's, from kwargs listed by hand?)")
+    raise ctx.fail(f"the fit's DistributedDataParallel reports gradient_as_bucket_view={fit_flags[0]} but the "
+                   f"trainer's wrap() builds it with {bool(own_run.ddp_flag)}: wrap restates a DDP the fit does not "
+                   "build, so its memory is not the fit's")
 
 
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,

@@ -14,7 +14,8 @@ guessed at: the fit drew random numbers during the step (dropout, random augment
 training mode (each rank normalises by its own micro-batch), no dataset indices (no `BatchSampler`),
 micro-batches of unequal sizes, a model whose parameters do not match `make_model`'s. Dropout from the
 run config is set to 0 for this fit. A uniform scale below 1 that is no known bug's ratio is gradient
-clipping by norm, legitimately applied to the averaged gradient: noted, not failed.
+clipping by norm, and the gradients clamped to one bound are clipping by value (`gradients.clipping`),
+both legitimately applied to the averaged gradient: noted, not failed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, max_delta, scale_ratio, single_process_adapter, world_of_one
 from .observe import FitRecord, unwrapped
 from .progress import guarded_fit
 
@@ -113,9 +114,8 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
     failing = [v for v in all_gather(verdict) if v]
     if failing:
         raise ctx.fail(failing[0], **figures)
-    if delta > rtol * scale:  # uniform, below 1, no bug's ratio: clipping by norm
-        ctx.note(f"the fit's first step's gradients are {fmt(scale_ratio(fit, whole)[0])}x the single-process "
-                 "gradients, uniformly: gradient clipping by norm (not judged)")
+    if delta > rtol * scale:  # no bug's signature: clipping by norm or by value
+        ctx.note(f"the fit's first step's gradients are {clipping(fit, whole, rtol)} (not judged)")
 
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
@@ -159,8 +159,8 @@ def _diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any
     if uniform and micro > 1 and abs(ratio / micro - 1) < close:
         return (f"{head}: exactly {micro}x it, the loop adds up its {micro} accumulated micro-batch "
                 f"losses without dividing by the accumulation {where}")
-    if uniform and ratio < 1 - close:
-        return ""  # clipping by norm scales the averaged gradient: the caller notes it
+    if clipping(fit, whole, rtol):
+        return ""  # clipping by norm or value acts on the averaged gradient: the caller notes it
     if micro > 1 and _proportional(fit, last(), close):
         return (f"{head}: they come from the last micro-batch of the {micro}-batch accumulation window only, "
                 f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")

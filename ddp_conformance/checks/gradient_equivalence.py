@@ -31,7 +31,7 @@ import pytest
 
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
-from .gradients import grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
 from .observe import unwrapped
 from .states import item_digest
 
@@ -124,8 +124,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
     if delta > tolerance:
-        ctx.note(f"the DDP step's gradients are {fmt(scale_ratio(ddp_g, single_g)[0])}x the single-process "
-                 "gradients, uniformly: gradient clipping by norm (not judged)")
+        ctx.note(f"the DDP step's gradients are {clipping(ddp_g, single_g, rtol)} (not judged)")
     return wrapped, figures
 
 
@@ -220,8 +219,8 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if world > 1 and own_delta <= rtol * own_scale:
         return (f"each rank's gradients equal the gradients of its own shard: no all-reduce happened (the model is "
                 f"not wrapped in DDP, or its gradients are never synchronised) {where}")
+    if clipping(ddp_g, single_g, rtol):
+        return ""  # clipping by norm or value acts on the averaged gradient alike on every rank: noted
     if abs(ratio - 1) >= close and residual < close:
-        if ratio < 1:
-            return ""  # clipping by norm scales the averaged gradient alike everywhere: the caller notes it
         return f"gradients are {fmt(ratio)}x the single-process gradients {where}"
     return f"gradients differ from the single-process gradients of the global batch {where}"

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 from unittest import mock
 
-from .base import CheckContext
+from .base import CheckContext, fmt
 from .observe import unwrapped
 
 
@@ -48,6 +48,30 @@ def scale_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     res = sum(float(((a[n] - r * b[n]) ** 2).sum()) for n in b if a.get(n) is not None and b[n] is not None)
     aa = sum(float((a[n] * a[n]).sum()) for n in b if a.get(n) is not None)
     return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
+
+
+def clipping(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
+    """How gradients `a` are the reference gradients `b` clipped, or "" when they are not: by norm (a
+    uniform scale below 1, no bug's ratio) or by value (`b` clamped to +-c, c the largest |a|, with
+    some element beyond c). Both are applied to the averaged gradient, the same on every rank, so a
+    trainer that clips is correct and its clipped elements cannot be judged."""
+    import torch
+
+    close = 10 * rtol + 1e-6
+    ratio, residual = scale_ratio(a, b)
+    if residual < close and ratio < 1 - close:
+        return f"{fmt(ratio)}x the single-process gradients, uniformly: gradient clipping by norm"
+    pairs = [(a[n], g) for n, g in b.items() if g is not None and a.get(n) is not None and g.numel()]
+    if not pairs:
+        return ""
+    bound = max(float(x.abs().max()) for x, _ in pairs)
+    scale = max(float(g.abs().max()) for _, g in pairs)
+    clipped = sum(int((g.abs() > bound * (1 + close)).sum()) for _, g in pairs)
+    if not clipped or any(float((x - torch.clamp(g, -bound, bound)).abs().max()) > rtol * scale for x, g in pairs):
+        return ""
+    total = sum(g.numel() for _, g in pairs)
+    return (f"the single-process gradients clamped to +-{fmt(bound)} ({clipped} of {total} elements beyond it): "
+            "gradient clipping by value")
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
 - every pass of a DataLoader over its data and the dataset indices each batch drew, by wrapping the
   public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the fit (restored
   after; a DataLoader subclass that calls `super().__iter__()` is seen too). A loader whose batches
-  do not come from a `BatchSampler` is recorded without indices.
+  do not come from a `BatchSampler` is recorded without indices, and every pass keeps a digest of
+  each training micro-batch's inputs: what the rank was fed, whatever made the batches.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
+DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
                 "bucket_bytes_cap")
 
@@ -54,7 +56,12 @@ class LoaderPass:
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a BatchSampler, so they are dataset indices
     trained: bool = False
-    first_input: str | None = None  # a digest of the first training micro-batch's inputs
+    inputs: list[str] = field(default_factory=list)  # digests of its training micro-batches' inputs (the first
+    # DIGESTED_INPUTS): what each rank was fed, where there are no indices to judge
+
+    @property
+    def first_input(self) -> str | None:
+        return self.inputs[0] if self.inputs else None
 
 
 @dataclass
@@ -84,11 +91,32 @@ class FitRecord:
     rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
-    optimizer: Any = field(default=None, repr=False)  # the first optimizer that stepped
+    optimizers: list[Any] = field(default_factory=list, repr=False)  # every optimizer that stepped, first first
     first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
+
+    @property
+    def optimizer(self) -> Any:
+        """The first optimizer that stepped (None before any step)."""
+        return self.optimizers[0] if self.optimizers else None
 
     def training_passes(self) -> list[LoaderPass]:
         return [p for p in self.passes if p.trained]
+
+    def stepped_outside_model(self) -> dict[str, Any]:
+        """The parameters the fit's optimizers stepped that the model its micro-batches ran through does
+        not hold (a learnable loss temperature beside the DDP model): DDP all-reduces only the gradients
+        of the module it wraps, so nothing keeps these in step across ranks. Named by their place in the
+        optimizer, the only name they have here."""
+        inside = {id(p) for p in self.model.parameters()} if self.model is not None else set()
+        found: dict[str, Any] = {}
+        for o, optimizer in enumerate(self.optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if id(param) not in inside:
+                        where = f"optimizer {o} " if len(self.optimizers) > 1 else "optimizer "
+                        shape = f"shape {tuple(param.shape)}" if param.dim() else "a scalar"
+                        found[f"{where}param_groups[{g}][{i}], {shape}"] = param.detach()
+        return found
 
     def summary(self) -> dict[str, Any]:
         """Plain values, for figures and for gathering across ranks."""
@@ -171,8 +199,9 @@ class FitRecorder:
         training = record.training_passes()
         if record.passes and not record.passes[-1].trained:
             record.passes[-1].trained = True
-            record.passes[-1].first_input = input_digest(inputs)
             training = record.training_passes()
+        if record.passes and len(record.passes[-1].inputs) < DIGESTED_INPUTS:
+            record.passes[-1].inputs.append(input_digest(inputs))  # trained: marked just above
         self._close_micro_batch()
         if self.listener is None:
             return
@@ -230,8 +259,8 @@ class FitRecorder:
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
         record.optimizer_steps += 1
-        if record.optimizer is None:
-            record.optimizer = optimizer
+        if not any(seen is optimizer for seen in record.optimizers):
+            record.optimizers.append(optimizer)
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
 
@@ -304,8 +333,14 @@ def input_digest(value: Any) -> str:
 
 def _new_pass(loader: Any) -> LoaderPass:
     # the sampler that orders the samples: a batch_sampler's own (DataLoader(batch_sampler=
-    # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler)
-    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler), or
+    # a batch sampler of its own making, which orders them itself
+    from torch.utils.data import BatchSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler) and sampler is None:
+        sampler = batch_sampler
     if sampler is None:
         sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)

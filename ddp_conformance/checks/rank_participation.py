@@ -6,7 +6,10 @@ Evidence, all from one short fit of the trainer (`fit(STEPS)`):
   files outside the process group (`progress.py`), so a rank that stops training is named with the
   step where it stopped even though the others hang in the all-reduce;
 - all-reduce participation: after the fit the ranks' *parameters* (not buffers: BatchNorm running
-  stats are per rank by design) are bit-identical although each rank trained on its own shard.
+  stats are per rank by design) are bit-identical although each rank trained on its own shard. That
+  is every tensor the fit's optimizers stepped, not only the model's: a learnable loss temperature
+  handed to the optimizer beside the DDP model is never all-reduced, and drifts per rank while the
+  model itself stays in sync.
   Parameters can only stay identical on different data if every rank's gradients were averaged
   with every other's on every step. This is behavioural, so it holds for Lightning too (which
   ignores comm hooks on CPU) and for trainers that all-reduce by hand instead of using DDP.
@@ -24,7 +27,7 @@ from ..adapter import TrainState
 from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .progress import guarded_fit
-from .states import digest, parameters
+from .states import OUTSIDE, digest, trained
 from .vacuity import TrainingEvidence, vacuity_verdict
 
 STEPS = 4
@@ -42,7 +45,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     capture = _Capture()
 
     def extra(state: TrainState) -> dict[str, Any]:
-        return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
+        mine = trained(state.params, ctx.recordings.get("fit"), capture.names)
+        return {"global_step": state.global_step, "digest": digest(mine),
                 "losses": capture.losses, "evidence": capture.summary(state, ctx.recordings.get("fit"))}
 
     state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
@@ -72,7 +76,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     digests = {p.extra.get("digest") for p in progress}
     figures["params_identical"] = len(digests) == 1
     if len(digests) > 1:
-        raise ctx.fail(_divergence(state, capture.names, wrapped, is_ddp, micro[0]), **figures)
+        mine = trained(state.params, ctx.recordings.get("fit"), capture.names)
+        raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0]), **figures)
     evidence = [p.extra.get("evidence") for p in progress]
     figures["nonzero_gradient_steps_per_rank"] = [e["nonzero_grad_steps"] if e else None for e in evidence]
     vacuous = vacuity_verdict(evidence, f"fit({STEPS})")
@@ -92,21 +97,30 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     return figures
 
 
-def _divergence(state: TrainState, names: list[str] | None, wrapped: str, is_ddp: bool | None, micro: int) -> str:
-    """Which parameter differs most between ranks, and why (collective: every rank is done)."""
-    mine = parameters(state.params, names)
+def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int) -> str:
+    """Which trained tensor differs most between ranks, and why (collective: every rank is done)."""
     everyone = all_gather({k: v.detach().cpu() for k, v in mine.items()})
-    worst, delta = "", 0.0
-    for name, tensor in everyone[0].items():
-        for other in everyone[1:]:
-            d = float((tensor.double() - other[name].double()).abs().max()) if tensor.numel() else 0.0
-            if d > delta:
-                worst, delta = name, d
-    where = f"{worst} max |delta| {fmt(delta)}"
+    deltas = {name: max((_delta(tensor, other.get(name)) for other in everyone[1:]), default=0.0)
+              for name, tensor in everyone[0].items()}
+    worst = max(deltas, key=lambda name: deltas[name])
+    where = f"{worst.removeprefix(OUTSIDE)} max |delta| {fmt(deltas[worst])}"
+    inside = [name for name, d in deltas.items() if d and not name.startswith(OUTSIDE)]
+    if worst.startswith(OUTSIDE) and not inside:
+        return (f"a parameter the optimizer steps outside the DistributedDataParallel model differs between ranks "
+                f"after {micro} micro-batches ({where}), while the model's own parameters agree: not every gradient "
+                "is all-reduced, since DDP averages only the gradients of the module it wraps (make it a submodule "
+                "of the wrapped model, e.g. a learnable loss temperature, or all-reduce its gradient yourself)")
     if is_ddp is False:
         return (f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): gradients are "
                 f"never all-reduced, and after {micro} micro-batches the ranks' parameters differ ({where})")
     return (f"the ranks' parameters differ after {micro} micro-batches ({where}): not every gradient is all-reduced "
             "(no_sync left on, or gradients changed after the all-reduce)"
             + ("" if is_ddp else "; the fit never reported its wrapped model, so DDP wrapping is unknown"))
+
+
+def _delta(tensor: Any, other: Any) -> float:
+    """max |a - b| of one tensor on two ranks; inf where one rank lacks it or its shape differs."""
+    if other is None or other.shape != tensor.shape:
+        return float("inf")
+    return float((tensor.double() - other.double()).abs().max()) if tensor.numel() else 0.0
 

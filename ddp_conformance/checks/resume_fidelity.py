@@ -27,7 +27,9 @@ RNG a fresh fit starts with has re-seeded on start, which is named as such.
 
 Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
 with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
-named when present); optimizer; scheduler; and if only the trajectory differs, one more resume
+named when present); only buffers differ (every parameter matches: BatchNorm statistics not
+checkpointed); optimizer; scheduler; every rank resumes from one RNG state although fresh fits
+give each its own (rank 0's state restored everywhere); and if only the trajectory differs, one more resume
 with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored,
 otherwise the data position/order is not. When the checkpoint is Lightning's, those two verdicts
 name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
@@ -46,7 +48,7 @@ import pytest
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
-from .states import Difference, differences, digest, parameters
+from .states import BUFFER_SUFFIXES, Difference, differences, digest, parameters, trained
 from .vacuity import TrainingEvidence, vacuity_verdict
 
 if TYPE_CHECKING:
@@ -191,7 +193,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if any(all_gather(bool(found))):
         weights = first.weights if all(all_gather(taken == k)) else None
         static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
-        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n)
+        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n) or _one_rng(ctx, k, n)
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
             verdict = next((v for v in all_gather(verdict) if v), verdict)
@@ -238,7 +240,7 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
-                          digest(parameters(part.params))))
+                          digest(trained(part.params, ctx.recordings["until-checkpoint"]))))
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
@@ -292,6 +294,19 @@ def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
             "RNG state after that (restore every rank's RNG state from the checkpoint after any seeding)")
 
 
+def _one_rng(ctx: CheckContext, k: int, n: int) -> str:
+    """Every rank's resumed fit starts from one RNG state although fresh fits start each rank from its
+    own: one rank's state (rank 0's, which wrote the checkpoint) restored on every rank."""
+    fresh = all_gather(ctx.recordings["uninterrupted"].first_rng)
+    resumed = all_gather(ctx.recordings["resumed"].first_rng)
+    if ctx.world_size < 2 or None in resumed or len(set(resumed)) > 1 or len(set(fresh)) == 1:
+        return ""
+    return (f"the RNG state is not restored per rank: {_head(k, n)}, and every rank's first batch after the resume "
+            "draws from one and the same RNG state, while fresh fits start each rank from its own: the checkpoint "
+            "holds one rank's RNG state (rank 0's, which wrote it) and every rank restores that one (save every "
+            "rank's RNG state, e.g. gathered into rank 0's checkpoint, and restore each rank's own)")
+
+
 def _head(k: int, n: int) -> str:
     return f"after resuming at step {k}, the run to step {n} differs from the uninterrupted one"
 
@@ -325,6 +340,12 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
             return (f"the model weights are not restored: the resumed trainer starts step {k + 1} with weights that "
                     f"differ from the checkpointed ones in {len(changed)} of {len(saved)} tensors "
                     f"(e.g. {changed[0]}){why}")
+    params = by_part.get("params", [])
+    if set(by_part) == {"params"} and all(d.key.endswith(BUFFER_SUFFIXES) for d in params):
+        worst = max(params, key=lambda d: (not d.key.endswith("num_batches_tracked"), d.delta or 0.0))  # a statistic
+        return (f"the model's buffers are not restored: {head} only in its buffers ({worst.describe()}), while "
+                "every parameter matches: the checkpoint or its load keeps the parameters but not the buffers "
+                "(BatchNorm running statistics): save model.state_dict() and load it strictly")
     # optimizer *values* (moments) differ whenever the trajectory does; its step counts, missing
     # entries or hyperparameters differ only when its state was not restored. Before the scheduler:
     # a lost optimizer also loses the learning rate a restored scheduler then steps from

@@ -7,7 +7,8 @@ fit first measures the training loader's length and the micro-batches per optimi
 (`progress.probe_epoch_steps`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
 ("make_loader yields samples the fit never consumed"); where the fit's loader draws no dataset
-indices (no `BatchSampler`), the helpers are the only source and the figures say so.
+indices (no `BatchSampler`), the fit's own inputs are judged (`schemes.judge_inputs`: no batch fed
+to two ranks, a new order each epoch), then the helpers' indices where the adapter has them.
 
 The sampling scheme is recognised from what the fit used, and each is held to its own invariant:
 a partition (DistributedSampler or any sampler without replacement: `sampling.py`), independent
@@ -52,16 +53,22 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                     f"{len(passes)} passes over it): the order across epochs cannot be judged")
     complete = passes[: len(EPOCHS)]
     if not all(p.indexed for p in complete):
-        return _judge_from_helpers(ctx, f"the fit's loader batches without a BatchSampler ({complete[0].sampler})")
+        fed = schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
+        return _judge_from_helpers(ctx, f"the fit's loader batches without a BatchSampler ({complete[0].sampler})",
+                                   judged=fed)
     if complete[0].replacement:
         return schemes.judge_with_replacement(ctx, complete)
     size = complete[0].dataset_size
     assert size is not None  # a map-style dataset: it has indices
-    shuffle = complete[0].shuffle if complete[0].shuffle is not None else ctx.config.data.shuffle
-    figures = _judge(ctx, [p.batches for p in complete], size, shuffle)
+    figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete))
     figures.update(indices_from="the fit", scheme="partition")
     _cross_check(ctx, [p.batches for p in complete], figures)
     return figures
+
+
+def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
+    """Whether the fit's loader shuffles: as its sampler says, else as the config asks."""
+    return passes[0].shuffle if passes[0].shuffle is not None else ctx.config.data.shuffle
 
 
 def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool) -> dict[str, Any]:
@@ -121,14 +128,21 @@ def _first_difference(helper: list[list[list[int]]],
     return None
 
 
-def _judge_from_helpers(ctx: CheckContext, why: str) -> dict[str, Any]:
-    """The fit cannot show its indices (`why`): judge the adapter's `make_loader` instead, and say so."""
+def _judge_from_helpers(ctx: CheckContext, why: str, judged: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The fit cannot show its indices (`why`): judge the adapter's `make_loader` instead, and say so.
+    `judged`: the figures of the fit's inputs, already judged; without helpers they are the verdict."""
     __tracebackhide__ = hide_on_verdict
     helper = _helper_epochs(ctx)
+    if helper is None and judged is not None:
+        ctx.note(f"{why}: only the fit's inputs are judged (no batch fed to two ranks), not a partition of the "
+                 "dataset, since the adapter provides no make_loader/batch_indices to read indices from")
+        return judged
     if helper is None:
         pytest.skip(f"{why}, and the adapter provides no make_loader/batch_indices to read indices from")
-    ctx.note(f"indices read from make_loader, not from the fit: {why}")
+    ctx.note(f"indices read from make_loader, not from the fit: {why}" if judged is None else
+             f"{why}: the fit's inputs are judged (no batch fed to two ranks, a new order each epoch), and the "
+             "partition from make_loader's indices")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
-    figures = _judge(ctx, helper, size, ctx.config.data.shuffle)
-    figures["indices_from"] = "make_loader"
+    figures = {**(judged or {}), **_judge(ctx, helper, size, ctx.config.data.shuffle)}
+    figures["indices_from"] = "make_loader" if judged is None else "make_loader, and the fit's inputs"
     return figures

@@ -8,6 +8,11 @@
 - A rank-sharded `IterableDataset`: there are no indices to judge, only what the model was fed.
   What must hold: the ranks' first training batches differ (identical ones mean every rank reads
   the same stream: the dataset is not sharded by rank).
+- A map-style dataset batched without a `BatchSampler` (a hand-written batch sampler, as
+  length-bucketing ones are): no indices either, but every micro-batch's inputs are digested. What
+  must hold: no two ranks are fed the same batch in an epoch (a sampler never sharded by rank feeds
+  every rank the same ones), and, where the config shuffles, a rank's batches change between
+  epochs (`set_epoch` that never reaches the sampler replays epoch 0).
 """
 
 from __future__ import annotations
@@ -57,3 +62,52 @@ def judge_iterable(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any
     ctx.note("an IterableDataset has no indices: only that the ranks read different data is judged")
     figures["summary"] = "iterable, ranks differ"
     return figures
+
+
+def judge_inputs(ctx: CheckContext, passes: list[LoaderPass], shuffle: bool) -> dict[str, Any]:
+    """The fit's own inputs, epoch by epoch (`passes`: this rank's complete training passes)."""
+    __tracebackhide__ = hide_on_verdict
+    figures, diagnosis = inputs_verdict(all_gather([p.inputs for p in passes]), shuffle, passes[0].sampler)
+    if diagnosis:
+        raise ctx.fail(diagnosis, **figures)
+    return figures
+
+
+def inputs_verdict(everyone: list[list[list[str]]], shuffle: bool, sampler: str) -> tuple[dict[str, Any], str]:
+    """Figures and the diagnosis ("" when sound) from every rank's input digests, epoch by epoch
+    (`everyone[rank][epoch]`): one batch fed to two ranks in an epoch, or an epoch replayed."""
+    figures: dict[str, Any] = {"indices_from": "the fit's inputs", "batches_per_rank": [len(r[0]) for r in everyone]}
+    for epoch in range(min(len(epochs) for epochs in everyone)):
+        shared = _shared_batch([epochs[epoch] for epochs in everyone])
+        if shared:
+            (first, second), position = shared
+            return figures, (
+                f"ranks {first} and {second} train on the same batch in epoch {epoch} (batch {position} of rank "
+                f"{second}, inputs identical): the batches ({sampler}) are not sharded by rank, so the ranks train "
+                "on the same samples (give each rank its own share, e.g. indices[rank::world_size], or a "
+                "DistributedSampler under a BatchSampler)")
+    replayed = [rank for rank, epochs in enumerate(everyone) if len(epochs) > 1 and len(epochs[0]) > 1
+                and epochs[0] == epochs[1]]
+    figures["order_changes"] = not replayed if shuffle else None
+    if shuffle and replayed:
+        return figures, (f"rank {replayed[0]} trains on the same batches in the same order in epoch 0 and epoch 1 "
+                         f"({sampler}): the shuffle does not change between epochs (pass the epoch to the sampler, "
+                         "e.g. set_epoch(epoch), before each epoch)")
+    figures["summary"] = "inputs differ by rank"
+    return figures, ""
+
+
+def _shared_batch(batches: list[list[str]]) -> tuple[tuple[int, int], int] | None:
+    """The first pair of ranks fed one identical batch in an epoch (`batches`: each rank's input
+    digests), and its position in the second rank's epoch; None when every batch is its rank's own.
+    A rank's last batch is left out where it has others: padding to equal lengths (as
+    DistributedSampler pads) may repeat another rank's samples there, a whole batch when it holds one."""
+    owner: dict[str, int] = {}
+    for rank, digests in enumerate(batches):
+        for position, digest in enumerate(digests):
+            if position == len(digests) - 1 > 0:
+                continue
+            if owner.get(digest, rank) != rank:
+                return (owner[digest], rank), position
+            owner.setdefault(digest, rank)
+    return None

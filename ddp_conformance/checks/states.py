@@ -105,6 +105,16 @@ def parameters(params: dict[str, Any], names: list[str] | None = None) -> dict[s
     return {k: v for k, v in stripped.items() if not k.endswith(BUFFER_SUFFIXES)}
 
 
+OUTSIDE = "outside the model: "  # names the tensors an optimizer stepped that the model does not hold
+
+
+def trained(params: dict[str, Any], record: Any, names: list[str] | None = None) -> dict[str, Any]:
+    """Every tensor a fit trained: the model's parameters (`parameters`), and those the fit's
+    optimizers stepped outside the model, as its `FitRecord` saw them, named with OUTSIDE first."""
+    outside = record.stepped_outside_model() if record is not None else {}
+    return parameters(params, names) | {OUTSIDE + name: tensor for name, tensor in outside.items()}
+
+
 def digest(tensors: dict[str, Any]) -> str:
     """A hash of the tensors' names and exact bytes, to compare ranks without moving tensors."""
     import torch

@@ -242,3 +242,34 @@ def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
     assert "BatchNorm in training mode" in _unjudgeable(record(model=batchnorm))
     assert _unjudgeable(record(model=batchnorm.eval())) == ""
     assert "no dataset indices through a BatchSampler" in _unjudgeable(record(indexed=False))
+
+
+def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each_batch_fed():
+    import torch
+    from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.states import OUTSIDE, trained
+
+    class Pairs(Sampler):  # a hand-written batch sampler: no BatchSampler, no indices to read
+        def __iter__(self):
+            return iter([[0, 1], [2, 3], [4, 5]])
+
+        def __len__(self):
+            return 3
+
+    loader = DataLoader(TensorDataset(torch.arange(12.0).reshape(6, 2)), batch_sampler=Pairs())
+    model, temperature = torch.nn.Linear(2, 1), torch.nn.Parameter(torch.ones(()))
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    with FitRecorder() as recorder:
+        for (x,) in loader:
+            (model(x).sum() * temperature).backward()
+            optimizer.step()
+    record = recorder.record
+    outside = record.stepped_outside_model()
+    name = "optimizer param_groups[0][2], a scalar"
+    assert list(outside) == [name] and outside[name].data_ptr() == temperature.data_ptr()  # the live tensor
+    assert sorted(trained(model.state_dict(), record)) == ["bias", OUTSIDE + name, "weight"]
+    [fed] = record.training_passes()
+    assert fed.sampler == "Pairs" and fed.shuffle is None and not fed.indexed
+    assert len(fed.inputs) == 3 and len(set(fed.inputs)) == 3 and fed.first_input == fed.inputs[0]

@@ -165,3 +165,37 @@ def test_dataset_items_are_compared_by_content_at_fixed_indices():
     data_reads = type("Augmented", (), {"__getitem__": lambda self, i: data[0] if i == 0 else torch.rand(3)})()
     found = _read(data_reads, [0, 1])
     assert found[0] == item_digest(torch.ones(3)) and found[1] is None
+
+
+def test_batches_without_indices_are_judged_by_what_each_rank_was_fed():
+    from ddp_conformance.checks.schemes import inputs_verdict
+
+    sound = [[["a", "b", "c"], ["c", "a", "b"]], [["d", "e", "f"], ["e", "f", "d"]]]  # everyone[rank][epoch]
+    assert inputs_verdict(sound, True, "Mine") == ({"indices_from": "the fit's inputs", "batches_per_rank": [3, 3],
+                                                    "order_changes": True, "summary": "inputs differ by rank"}, "")
+    unsharded = [[["a", "b", "c"], ["c", "a", "b"]], [["a", "b", "c"], ["c", "a", "b"]]]
+    assert inputs_verdict(unsharded, True, "Mine")[1].startswith(
+        "ranks 0 and 1 train on the same batch in epoch 0 (batch 0 of rank 1, inputs identical): the batches (Mine) "
+        "are not sharded by rank")
+    padded = [[["a", "b", "c"], ["c", "a", "b"]], [["d", "e", "a"], ["e", "d", "c"]]]  # a last batch repeats
+    assert inputs_verdict(padded, True, "Mine")[1] == ""
+    replayed = [[["a", "b", "c"], ["a", "b", "c"]], [["d", "e", "f"], ["e", "f", "d"]]]
+    assert "rank 0 trains on the same batches in the same order in epoch 0 and epoch 1" in inputs_verdict(
+        replayed, True, "Mine")[1]
+    assert inputs_verdict(replayed, False, "Mine")[1] == ""  # a loader that does not shuffle may replay
+
+
+def test_clipping_by_norm_or_value_is_told_from_a_wrong_gradient():
+    import torch
+
+    from ddp_conformance.checks.gradients import clipping
+
+    single = {"w": torch.tensor([0.5, -2.0, 0.1], dtype=torch.float64), "b": torch.tensor([3.0], dtype=torch.float64)}
+    assert "0.1x the single-process gradients, uniformly: gradient clipping by norm" in clipping(
+        {n: g * 0.1 for n, g in single.items()}, single, 1e-5)
+    clamped = {n: g.clamp(-1.0, 1.0) for n, g in single.items()}
+    assert clipping(clamped, single, 1e-5) == ("the single-process gradients clamped to +-1 (2 of 4 elements beyond "
+                                               "it): gradient clipping by value")
+    wrong = dict(clamped, w=torch.tensor([0.4, -1.0, 0.1], dtype=torch.float64))  # an unclamped element is off
+    assert clipping(wrong, single, 1e-5) == ""
+    assert clipping({n: g * 2 for n, g in single.items()}, single, 1e-5) == ""  # larger: no clipping does that
