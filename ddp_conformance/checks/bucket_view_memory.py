@@ -120,7 +120,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
     finally:
         gc.unfreeze()
-    _fit_agrees(ctx, declared, own_run)
+    if mode != "no-ddp":  # decided from every rank's runs: all ranks run the fit, or none
+        _fit_agrees(ctx, declared, own_run)
     return _judge(ctx, mode, declared, own_run, runs)
 
 
@@ -128,7 +129,8 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -
     """Fail when the DDP the trainer's own fit builds has another gradient_as_bucket_view than the
     DDP its `wrap` builds (measured above): the memory judged would not be the fit's."""
     __tracebackhide__ = hide_on_verdict
-    if not ctx.shared or not own_run.is_ddp:  # no directory to watch a fit through / nothing to compare with
+    if not ctx.shared:  # no directory to watch a fit through
+        ctx.note("the DDP the fit builds is not compared with wrap's: the ranks share no directory to watch a fit")
         return
     try:
         guarded_fit(ctx, "fit-setting", 1, lambda observer: ctx.adapter().fit(1, observer=observer))
@@ -136,14 +138,14 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -
         return
     ddp = ctx.recordings["fit-setting"].ddp
     fit_flags = all_gather(None if ddp is None else bool(ddp.get("gradient_as_bucket_view")))
-    ctx.figures["fit_ddp_gradient_as_bucket_view"] = fit_flags[0]
+    ctx.figures["fit_ddp_gradient_as_bucket_view_per_rank"] = fit_flags
     if None in fit_flags or all(flag == bool(own_run.ddp_flag) for flag in fit_flags):
         return
     if declared and not all(fit_flags):
         raise ctx.fail("gradient_as_bucket_view: true never reaches DDP in the fit: the DistributedDataParallel the "
                        "trainer's fit builds reports gradient_as_bucket_view=False, while its wrap() passes it on "
                        "(does the fit build its DDP, or a Lightning strategy's, from kwargs listed by hand?)")
-    raise ctx.fail(f"the fit's DistributedDataParallel reports gradient_as_bucket_view={fit_flags[0]} but the "
+    raise ctx.fail(f"the fit's DistributedDataParallel reports gradient_as_bucket_view={fit_flags} (per rank) but the "
                    f"trainer's wrap() builds it with {bool(own_run.ddp_flag)}: wrap restates a DDP the fit does not "
                    "build, so its memory is not the fit's")
 

@@ -115,7 +115,7 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
     if failing:
         raise ctx.fail(failing[0], **figures)
     if delta > rtol * scale:  # no bug's signature: clipping by norm or by value
-        ctx.note(f"the fit's first step's gradients are {clipping(fit, whole, rtol)} (not judged)")
+        ctx.note(f"the fit's first step's gradients are {clipping(fit, whole, rtol)}")
 
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
@@ -137,7 +137,7 @@ def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) 
 
 def _diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
                world: int, micro: int, rtol: float, where: str) -> str:
-    """Why the fit's gradients differ from `whole`, the recomputed ones, or "" for clipping by norm;
+    """Why the fit's gradients differ from `whole`, the recomputed ones, or "" for clipping;
     `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
     gradients, only when a diagnosis needs them."""
     head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "

@@ -51,27 +51,39 @@ def scale_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
 
 
 def clipping(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
-    """How gradients `a` are the reference gradients `b` clipped, or "" when they are not: by norm (a
-    uniform scale below 1, no bug's ratio) or by value (`b` clamped to +-c, c the largest |a|, with
-    some element beyond c). Both are applied to the averaged gradient, the same on every rank, so a
-    trainer that clips is correct and its clipped elements cannot be judged."""
-    import torch
+    """How gradients `a` are the reference gradients `b` clipped, or "" when they are not. Clipping
+    acts on the averaged gradient, the same on every rank, so a trainer that clips is correct."""
+    return _clipped_by_norm(a, b, rtol) or _clipped_by_value(a, b, rtol)
 
+
+def _clipped_by_norm(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
+    """A uniform scale strictly between 0 and 1 (no bug's ratio: those are checked first)."""
     close = 10 * rtol + 1e-6
     ratio, residual = scale_ratio(a, b)
-    if residual < close and ratio < 1 - close:
-        return f"{fmt(ratio)}x the single-process gradients, uniformly: gradient clipping by norm"
+    if residual < close and close < ratio < 1 - close:
+        return f"{fmt(ratio)}x the single-process gradients, uniformly: gradient clipping by norm (not judged)"
+    return ""
+
+
+def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
+    """`b` clamped to +-c, c the largest |a| (well above the tolerance), some element beyond it, and
+    every parameter within its own tolerance of its clamped reference: the unclamped elements are
+    judged as any gradient is."""
+    import torch
+
     pairs = [(a[n], g) for n, g in b.items() if g is not None and a.get(n) is not None and g.numel()]
     if not pairs:
         return ""
     bound = max(float(x.abs().max()) for x, _ in pairs)
-    scale = max(float(g.abs().max()) for _, g in pairs)
-    clipped = sum(int((g.abs() > bound * (1 + close)).sum()) for _, g in pairs)
-    if not clipped or any(float((x - torch.clamp(g, -bound, bound)).abs().max()) > rtol * scale for x, g in pairs):
+    if bound <= rtol * max(float(g.abs().max()) for _, g in pairs):
+        return ""  # all zero, or nearly: no clipping leaves nothing
+    clipped = sum(int((g.abs() > bound * (1 + 10 * rtol + 1e-6)).sum()) for _, g in pairs)
+    off = any(float((x - torch.clamp(g, -bound, bound)).abs().max()) > rtol * float(g.abs().max()) for x, g in pairs)
+    if not clipped or off:
         return ""
     total = sum(g.numel() for _, g in pairs)
-    return (f"the single-process gradients clamped to +-{fmt(bound)} ({clipped} of {total} elements beyond it): "
-            "gradient clipping by value")
+    return (f"the single-process gradients clamped to +-{fmt(bound)}: gradient clipping by value (the {clipped} of "
+            f"{total} elements beyond it are not judged, the others match)")
 
 
 @contextlib.contextmanager

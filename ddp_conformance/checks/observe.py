@@ -56,8 +56,8 @@ class LoaderPass:
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a BatchSampler, so they are dataset indices
     trained: bool = False
-    inputs: list[str] = field(default_factory=list)  # digests of its training micro-batches' inputs (the first
-    # DIGESTED_INPUTS): what each rank was fed, where there are no indices to judge
+    inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
+    # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
 
     @property
     def first_input(self) -> str | None:
@@ -92,6 +92,7 @@ class FitRecord:
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
     optimizers: list[Any] = field(default_factory=list, repr=False)  # every optimizer that stepped, first first
+    outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
     first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
 
     @property
@@ -103,20 +104,27 @@ class FitRecord:
         return [p for p in self.passes if p.trained]
 
     def stepped_outside_model(self) -> dict[str, Any]:
-        """The parameters the fit's optimizers stepped that the model its micro-batches ran through does
-        not hold (a learnable loss temperature beside the DDP model): DDP all-reduces only the gradients
-        of the module it wraps, so nothing keeps these in step across ranks. Named by their place in the
-        optimizer, the only name they have here."""
+        """The trainable tensors the fit's optimizers step that the model its micro-batches ran through
+        does not hold (a learnable loss temperature beside the DDP model): DDP all-reduces only the
+        gradients of the module it wraps, so nothing keeps these in step across ranks. Named by their
+        place in the optimizer, the only name they have here."""
         inside = {id(p) for p in self.model.parameters()} if self.model is not None else set()
         found: dict[str, Any] = {}
         for o, optimizer in enumerate(self.optimizers):
             for g, group in enumerate(optimizer.param_groups):
                 for i, param in enumerate(group["params"]):
-                    if id(param) not in inside:
-                        where = f"optimizer {o} " if len(self.optimizers) > 1 else "optimizer "
+                    if id(param) not in inside and param.requires_grad:
+                        where = f"optimizer {o} " if o else "optimizer "
                         shape = f"shape {tuple(param.shape)}" if param.dim() else "a scalar"
                         found[f"{where}param_groups[{g}][{i}], {shape}"] = param.detach()
         return found
+
+    def outside_digests(self) -> dict[str, tuple[str, str]]:
+        """(digest before the fit's first optimizer step, digest now) of each tensor stepped outside
+        the model: only those that start alike on every rank are replicas that must stay alike (a
+        model-parallel shard starts, and stays, different per rank by design)."""
+        now = self.stepped_outside_model()
+        return {name: (start, input_digest(now[name])) for name, start in self.outside_start.items() if name in now}
 
     def summary(self) -> dict[str, Any]:
         """Plain values, for figures and for gathering across ranks."""
@@ -200,8 +208,9 @@ class FitRecorder:
         if record.passes and not record.passes[-1].trained:
             record.passes[-1].trained = True
             training = record.training_passes()
-        if record.passes and len(record.passes[-1].inputs) < DIGESTED_INPUTS:
-            record.passes[-1].inputs.append(input_digest(inputs))  # trained: marked just above
+        fed = record.passes[-1] if record.passes else None  # trained: marked just above
+        if fed is not None and (not fed.inputs or not fed.indexed) and len(fed.inputs) < DIGESTED_INPUTS:
+            fed.inputs.append(fed_digest(inputs))  # the first always (iterable datasets); all without indices
         self._close_micro_batch()
         if self.listener is None:
             return
@@ -226,6 +235,11 @@ class FitRecorder:
             self.listener.after_step(opened)
 
     def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        if not any(seen is optimizer for seen in self.record.optimizers):  # its first step: nothing applied yet
+            self.record.optimizers.append(optimizer)
+            outside = self.record.stepped_outside_model() if self.record.model is not None else {}
+            for name, tensor in outside.items():
+                self.record.outside_start.setdefault(name, input_digest(tensor))
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             self.record.grad_steps += 1
@@ -259,8 +273,6 @@ class FitRecorder:
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
         record.optimizer_steps += 1
-        if not any(seen is optimizer for seen in record.optimizers):
-            record.optimizers.append(optimizer)
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
 
@@ -308,27 +320,48 @@ def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterat
 
 
 def input_digest(value: Any) -> str:
-    """A digest of a micro-batch's inputs (tensors by their bytes), to tell whether ranks read the same data."""
+    """A digest of tensors (and the plain values beside them), to tell whether ranks hold the same."""
     import hashlib
+
+    digest = hashlib.sha1()
+    _digest_into(digest, value)
+    return digest.hexdigest()[:16]
+
+
+def fed_digest(inputs: Any) -> str | None:
+    """A digest of a micro-batch's inputs as the model's forward got them, or None when no tensor or
+    array is among them: keyword arguments (`model(input_ids=x)`) never reach a global forward hook,
+    and a digest of nothing would make every rank look fed alike."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    return digest.hexdigest()[:16] if _digest_into(digest, inputs) else None
+
+
+def _digest_into(digest: Any, item: Any) -> int:
+    """Feed `item` into `digest`: tensors and arrays by their bytes, mappings (a tokenizer's
+    BatchEncoding too), sequences and dataclasses element by element, plain values by repr. Returns
+    how many tensors and arrays it saw."""
+    import collections.abc
+    import dataclasses
 
     import torch
 
-    digest = hashlib.sha1()
-
-    def visit(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(item, dict):
-            for key in sorted(item, key=str):
-                visit(item[key])
-        elif isinstance(item, list | tuple):
-            for element in item:
-                visit(element)
-        elif isinstance(item, int | float | str | bool):
-            digest.update(repr(item).encode())
-
-    visit(value)
-    return digest.hexdigest()[:16]
+    if isinstance(item, torch.Tensor):
+        digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return 1
+    if hasattr(item, "__array_interface__") and hasattr(item, "tobytes"):  # a numpy array
+        digest.update(item.tobytes())
+        return 1
+    if isinstance(item, collections.abc.Mapping):
+        return sum(_digest_into(digest, item[key]) for key in sorted(item, key=str))
+    if isinstance(item, list | tuple):
+        return sum(_digest_into(digest, element) for element in item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return sum(_digest_into(digest, getattr(item, f.name)) for f in dataclasses.fields(item))
+    if isinstance(item, int | float | str | bool):
+        digest.update(repr(item).encode())
+    return 0
 
 
 def _new_pass(loader: Any) -> LoaderPass:

@@ -48,13 +48,14 @@ import pytest
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
-from .states import BUFFER_SUFFIXES, Difference, differences, digest, parameters, trained
+from .states import BUFFER_SUFFIXES, Difference, differences, digest, drifted, parameters
 from .vacuity import TrainingEvidence, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
 
 FALLBACK_EPOCH_STEPS = 8
+BUFFERS_LOST = "the model's buffers are not restored"
 FORCED_DROPOUT = 0.1
 
 
@@ -193,7 +194,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if any(all_gather(bool(found))):
         weights = first.weights if all(all_gather(taken == k)) else None
         static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
-        verdict = next((v for v in all_gather(static) if v), "") or _reseeded(ctx, k, n) or _one_rng(ctx, k, n)
+        statics = all_gather(static)
+        verdict = (_rank_buffers(statics) or next((v for v in statics if v), "") or _reseeded(ctx, k, n)
+                   or _one_rng(ctx, k, n))
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
             verdict = next((v for v in all_gather(verdict) if v), verdict)
@@ -240,9 +243,9 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
-                          digest(trained(part.params, ctx.recordings["until-checkpoint"]))))
+                          digest(parameters(part.params)), ctx.recordings["until-checkpoint"].outside_digests()))
     checkpoint = written[0][1]
-    if len({w[2] for w in written}) > 1:
+    if len({w[2] for w in written}) > 1 or drifted([w[3] for w in written])[0]:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
                     "synchronised: see rank_participation / gradient_equivalence); a rank-0 checkpoint cannot "
                     "resume the other ranks, so resume fidelity cannot be judged")
@@ -257,7 +260,7 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
 
 
 def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Path, figures: dict[str, Any]) -> None:
-    others = [(r, files) for r, (files, _, _) in enumerate(written) if r != 0 and files]
+    others = [(r, files) for r, (files, *_) in enumerate(written) if r != 0 and files]
     if others:
         r, files = others[0]
         raise ctx.fail(f"rank {r} wrote checkpoint files ({', '.join(files[:3])}): only rank 0 may write checkpoints "
@@ -294,17 +297,31 @@ def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
             "RNG state after that (restore every rank's RNG state from the checkpoint after any seeding)")
 
 
+def _rank_buffers(statics: list[str]) -> str:
+    """Only ranks other than 0 lost their buffers: each rank keeps its own (broadcast_buffers=False),
+    and a resume loads rank 0's checkpoint, rank 0's buffers, on every rank."""
+    lost = [rank for rank, verdict in enumerate(statics) if verdict.startswith(BUFFERS_LOST)]
+    if statics[0] or not lost:
+        return ""
+    return (f"{BUFFERS_LOST} on rank {lost[0]}, while rank 0's are: the ranks keep buffers of their own "
+            "(broadcast_buffers=False) and every rank restores rank 0's, from its checkpoint (save every rank's "
+            "buffers, or keep them in step with broadcast_buffers=True)")
+
+
 def _one_rng(ctx: CheckContext, k: int, n: int) -> str:
     """Every rank's resumed fit starts from one RNG state although fresh fits start each rank from its
     own: one rank's state (rank 0's, which wrote the checkpoint) restored on every rank."""
-    fresh = all_gather(ctx.recordings["uninterrupted"].first_rng)
+    full = ctx.recordings["uninterrupted"]
+    fresh, consumed = zip(*all_gather((full.first_rng, bool(full.rng_consumed))), strict=True)
     resumed = all_gather(ctx.recordings["resumed"].first_rng)
-    if ctx.world_size < 2 or None in resumed or len(set(resumed)) > 1 or len(set(fresh)) == 1:
+    # only where the loop draws from the RNG while it trains can the RNG explain a difference
+    if ctx.world_size < 2 or not all(consumed) or None in resumed or len(set(resumed)) > 1 or len(set(fresh)) == 1:
         return ""
     return (f"the RNG state is not restored per rank: {_head(k, n)}, and every rank's first batch after the resume "
             "draws from one and the same RNG state, while fresh fits start each rank from its own: the checkpoint "
-            "holds one rank's RNG state (rank 0's, which wrote it) and every rank restores that one (save every "
-            "rank's RNG state, e.g. gathered into rank 0's checkpoint, and restore each rank's own)")
+            "holds one rank's RNG state (e.g. rank 0's, which wrote it) and every rank restores that one, or every "
+            "rank reseeds alike on resume (save every rank's RNG state, e.g. gathered into rank 0's checkpoint, and "
+            "restore each rank's own)")
 
 
 def _head(k: int, n: int) -> str:
@@ -343,9 +360,9 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
     params = by_part.get("params", [])
     if set(by_part) == {"params"} and all(d.key.endswith(BUFFER_SUFFIXES) for d in params):
         worst = max(params, key=lambda d: (not d.key.endswith("num_batches_tracked"), d.delta or 0.0))  # a statistic
-        return (f"the model's buffers are not restored: {head} only in its buffers ({worst.describe()}), while "
-                "every parameter matches: the checkpoint or its load keeps the parameters but not the buffers "
-                "(BatchNorm running statistics): save model.state_dict() and load it strictly")
+        return (f"{BUFFERS_LOST}: {head} only in its buffers ({worst.describe()}), while every parameter "
+                "matches: the checkpoint or its load keeps the parameters but not the buffers (BatchNorm running "
+                "statistics): save model.state_dict() and load it strictly")
     # optimizer *values* (moments) differ whenever the trajectory does; its step counts, missing
     # entries or hyperparameters differ only when its state was not restored. Before the scheduler:
     # a lost optimizer also loses the learning rate a restored scheduler then steps from

@@ -52,11 +52,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip(f"fit({steps}) did not finish {len(EPOCHS)} epochs of its training loader (it started "
                     f"{len(passes)} passes over it): the order across epochs cannot be judged")
     complete = passes[: len(EPOCHS)]
-    if not all(p.indexed for p in complete):
-        fed = schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
-        return _judge_from_helpers(ctx, f"the fit's loader batches without a BatchSampler ({complete[0].sampler})",
-                                   judged=fed)
-    if complete[0].replacement:
+    # the scheme is chosen from every rank's passes, so that all ranks make the same collectives
+    indexed, replacement = (all(flags) for flags in zip(*all_gather((all(p.indexed for p in complete),
+                                                                      bool(complete[0].replacement))), strict=True))
+    if not indexed:
+        return _judge_unindexed(ctx, complete)
+    if replacement:
         return schemes.judge_with_replacement(ctx, complete)
     size = complete[0].dataset_size
     assert size is not None  # a map-style dataset: it has indices
@@ -128,21 +129,33 @@ def _first_difference(helper: list[list[list[int]]],
     return None
 
 
-def _judge_from_helpers(ctx: CheckContext, why: str, judged: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The fit cannot show its indices (`why`): judge the adapter's `make_loader` instead, and say so.
-    `judged`: the figures of the fit's inputs, already judged; without helpers they are the verdict."""
+def _judge_unindexed(ctx: CheckContext, complete: list[Any]) -> dict[str, Any]:
+    """A fit that batches without a BatchSampler: its own inputs, then `make_loader`'s partition
+    where the adapter has one."""
     __tracebackhide__ = hide_on_verdict
+    fed = schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
+    why = f"the fit's loader batches without a BatchSampler ({complete[0].sampler})"
     helper = _helper_epochs(ctx)
-    if helper is None and judged is not None:
+    if helper is None and fed["indices_from"]:
         ctx.note(f"{why}: only the fit's inputs are judged (no batch fed to two ranks), not a partition of the "
                  "dataset, since the adapter provides no make_loader/batch_indices to read indices from")
-        return judged
+        return fed
+    figures = {**fed, **_judge_from_helpers(ctx, why, helper)}
+    if fed["indices_from"]:
+        ctx.note("the fit's inputs are judged too: no batch fed to two ranks, a new order each epoch")
+        figures["indices_from"] = "make_loader, and the fit's inputs"
+    return figures
+
+
+def _judge_from_helpers(ctx: CheckContext, why: str, helper: Any = None) -> dict[str, Any]:
+    """The fit cannot show its indices (`why`): judge the adapter's `make_loader` instead (its
+    epochs, `helper`, when already read), and say so."""
+    __tracebackhide__ = hide_on_verdict
+    helper = helper if helper is not None else _helper_epochs(ctx)
     if helper is None:
         pytest.skip(f"{why}, and the adapter provides no make_loader/batch_indices to read indices from")
-    ctx.note(f"indices read from make_loader, not from the fit: {why}" if judged is None else
-             f"{why}: the fit's inputs are judged (no batch fed to two ranks, a new order each epoch), and the "
-             "partition from make_loader's indices")
+    ctx.note(f"indices read from make_loader, not from the fit: {why}")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
-    figures = {**(judged or {}), **_judge(ctx, helper, size, ctx.config.data.shuffle)}
-    figures["indices_from"] = "make_loader" if judged is None else "make_loader, and the fit's inputs"
+    figures = _judge(ctx, helper, size, ctx.config.data.shuffle)
+    figures["indices_from"] = "make_loader"
     return figures

@@ -67,16 +67,29 @@ def judge_iterable(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any
 def judge_inputs(ctx: CheckContext, passes: list[LoaderPass], shuffle: bool) -> dict[str, Any]:
     """The fit's own inputs, epoch by epoch (`passes`: this rank's complete training passes)."""
     __tracebackhide__ = hide_on_verdict
-    figures, diagnosis = inputs_verdict(all_gather([p.inputs for p in passes]), shuffle, passes[0].sampler)
+    everyone = all_gather([p.inputs for p in passes])
+    if any(None in epoch for epochs in everyone for epoch in epochs):
+        ctx.note("the fit's inputs are not judged: the model's forward gets no tensor positionally (keyword "
+                 "arguments, model(input_ids=x), never reach a global forward hook)")
+        return {"indices_from": None}
+    figures, diagnosis = inputs_verdict(everyone, shuffle, passes[0].sampler)
     if diagnosis:
         raise ctx.fail(diagnosis, **figures)
+    if shuffle and figures["order_changes"] is None:
+        ctx.note(f"too few batches per epoch (< {ORDER_MIN_BATCHES}) to judge their order across epochs")
     return figures
+
+
+# a rank's batches replayed in the same order in two epochs, by chance, with probability 1/k! for k
+# batches whose contents a sampler keeps fixed and only reorders (bucketing samplers): 2.5e-5 for 8
+ORDER_MIN_BATCHES = 8
 
 
 def inputs_verdict(everyone: list[list[list[str]]], shuffle: bool, sampler: str) -> tuple[dict[str, Any], str]:
     """Figures and the diagnosis ("" when sound) from every rank's input digests, epoch by epoch
     (`everyone[rank][epoch]`): one batch fed to two ranks in an epoch, or an epoch replayed."""
-    figures: dict[str, Any] = {"indices_from": "the fit's inputs", "batches_per_rank": [len(r[0]) for r in everyone]}
+    figures: dict[str, Any] = {"indices_from": "the fit's inputs",
+                               "batches_seen_per_rank": [len(r[0]) for r in everyone]}
     for epoch in range(min(len(epochs) for epochs in everyone)):
         shared = _shared_batch([epochs[epoch] for epochs in everyone])
         if shared:
@@ -86,9 +99,9 @@ def inputs_verdict(everyone: list[list[list[str]]], shuffle: bool, sampler: str)
                 f"{second}, inputs identical): the batches ({sampler}) are not sharded by rank, so the ranks train "
                 "on the same samples (give each rank its own share, e.g. indices[rank::world_size], or a "
                 "DistributedSampler under a BatchSampler)")
-    replayed = [rank for rank, epochs in enumerate(everyone) if len(epochs) > 1 and len(epochs[0]) > 1
-                and epochs[0] == epochs[1]]
-    figures["order_changes"] = not replayed if shuffle else None
+    judged = [epochs for epochs in everyone if len(epochs) > 1 and len(epochs[0]) >= ORDER_MIN_BATCHES]
+    replayed = [rank for rank, epochs in enumerate(everyone) if epochs in judged and epochs[0] == epochs[1]]
+    figures["order_changes"] = not replayed if shuffle and judged else None
     if shuffle and replayed:
         return figures, (f"rank {replayed[0]} trains on the same batches in the same order in epoch 0 and epoch 1 "
                          f"({sampler}): the shuffle does not change between epochs (pass the epoch to the sampler, "

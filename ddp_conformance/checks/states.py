@@ -8,6 +8,7 @@ batch after DDP's buffer broadcast, so they legitimately differ between ranks.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +109,23 @@ def parameters(params: dict[str, Any], names: list[str] | None = None) -> dict[s
 OUTSIDE = "outside the model: "  # names the tensors an optimizer stepped that the model does not hold
 
 
-def trained(params: dict[str, Any], record: Any, names: list[str] | None = None) -> dict[str, Any]:
-    """Every tensor a fit trained: the model's parameters (`parameters`), and those the fit's
-    optimizers stepped outside the model, as its `FitRecord` saw them, named with OUTSIDE first."""
-    outside = record.stepped_outside_model() if record is not None else {}
-    return parameters(params, names) | {OUTSIDE + name: tensor for name, tensor in outside.items()}
+def trained(params: dict[str, Any], record: Any, names: list[str] | None = None,
+            outside: Sequence[str] = ()) -> dict[str, Any]:
+    """The tensors a fit trained: the model's parameters (`parameters`), and of those its optimizers
+    stepped outside the model (`FitRecord.stepped_outside_model`), the `outside` ones, named with
+    OUTSIDE first."""
+    stepped = record.stepped_outside_model() if record is not None else {}
+    return parameters(params, names) | {OUTSIDE + name: stepped[name] for name in outside if name in stepped}
+
+
+def drifted(outside: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """From every rank's `FitRecord.outside_digests()` ({name: (start, now)}): the tensors stepped
+    outside the model that started alike on every rank and now differ (replicas out of step), and
+    those that started differently (rank-local by design, a model-parallel shard: not compared)."""
+    names = set(outside[0]).intersection(*outside[1:]) if outside else set()
+    local = sorted(n for n in names if len({o[n][0] for o in outside}) > 1)
+    drift = sorted(n for n in names if n not in local and len({o[n][1] for o in outside}) > 1)
+    return drift, local
 
 
 def digest(tensors: dict[str, Any]) -> str:

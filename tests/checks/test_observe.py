@@ -248,7 +248,7 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
     import torch
     from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.observe import FitRecorder, input_digest
     from ddp_conformance.checks.states import OUTSIDE, trained
 
     class Pairs(Sampler):  # a hand-written batch sampler: no BatchSampler, no indices to read
@@ -260,7 +260,8 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
 
     loader = DataLoader(TensorDataset(torch.arange(12.0).reshape(6, 2)), batch_sampler=Pairs())
     model, temperature = torch.nn.Linear(2, 1), torch.nn.Parameter(torch.ones(()))
-    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)  # stepped by no optimizer: not compared
+    optimizer = torch.optim.SGD([*model.parameters(), temperature, frozen], lr=0.1)
     with FitRecorder() as recorder:
         for (x,) in loader:
             (model(x).sum() * temperature).backward()
@@ -269,7 +270,9 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
     outside = record.stepped_outside_model()
     name = "optimizer param_groups[0][2], a scalar"
     assert list(outside) == [name] and outside[name].data_ptr() == temperature.data_ptr()  # the live tensor
-    assert sorted(trained(model.state_dict(), record)) == ["bias", OUTSIDE + name, "weight"]
+    assert sorted(trained(model.state_dict(), record, outside=[name])) == ["bias", OUTSIDE + name, "weight"]
+    start, now = record.outside_digests()[name]  # before the first step, and after the last
+    assert start == input_digest(torch.ones(())) and now == input_digest(temperature.detach()) != start
     [fed] = record.training_passes()
     assert fed.sampler == "Pairs" and fed.shuffle is None and not fed.indexed
     assert len(fed.inputs) == 3 and len(set(fed.inputs)) == 3 and fed.first_input == fed.inputs[0]

@@ -168,21 +168,45 @@ def test_dataset_items_are_compared_by_content_at_fixed_indices():
 
 
 def test_batches_without_indices_are_judged_by_what_each_rank_was_fed():
-    from ddp_conformance.checks.schemes import inputs_verdict
+    from ddp_conformance.checks.schemes import ORDER_MIN_BATCHES, inputs_verdict
 
-    sound = [[["a", "b", "c"], ["c", "a", "b"]], [["d", "e", "f"], ["e", "f", "d"]]]  # everyone[rank][epoch]
-    assert inputs_verdict(sound, True, "Mine") == ({"indices_from": "the fit's inputs", "batches_per_rank": [3, 3],
-                                                    "order_changes": True, "summary": "inputs differ by rank"}, "")
-    unsharded = [[["a", "b", "c"], ["c", "a", "b"]], [["a", "b", "c"], ["c", "a", "b"]]]
+    batches = [f"b{i}" for i in range(2 * ORDER_MIN_BATCHES)]
+    mine, theirs = batches[:ORDER_MIN_BATCHES], batches[ORDER_MIN_BATCHES:]
+    sound = [[mine, mine[::-1]], [theirs, theirs[::-1]]]  # everyone[rank][epoch]
+    figures = {"indices_from": "the fit's inputs", "batches_seen_per_rank": [8, 8], "order_changes": True,
+               "summary": "inputs differ by rank"}
+    assert inputs_verdict(sound, True, "Mine") == (figures, "")
+    unsharded = [[mine, mine[::-1]], [mine, mine[::-1]]]
     assert inputs_verdict(unsharded, True, "Mine")[1].startswith(
         "ranks 0 and 1 train on the same batch in epoch 0 (batch 0 of rank 1, inputs identical): the batches (Mine) "
         "are not sharded by rank")
-    padded = [[["a", "b", "c"], ["c", "a", "b"]], [["d", "e", "a"], ["e", "d", "c"]]]  # a last batch repeats
+    padded = [[mine, mine[::-1]], [[*theirs[:-1], mine[0]], theirs[::-1]]]  # a last batch repeats rank 0's
     assert inputs_verdict(padded, True, "Mine")[1] == ""
-    replayed = [[["a", "b", "c"], ["a", "b", "c"]], [["d", "e", "f"], ["e", "f", "d"]]]
+    replayed = [[mine, mine], [theirs, theirs[::-1]]]
     assert "rank 0 trains on the same batches in the same order in epoch 0 and epoch 1" in inputs_verdict(
         replayed, True, "Mine")[1]
     assert inputs_verdict(replayed, False, "Mine")[1] == ""  # a loader that does not shuffle may replay
+    few = [[mine[:3], mine[:3]], [theirs[:3], theirs[:3]]]  # 3 fixed batches replay by chance 1 time in 6
+    assert inputs_verdict(few, True, "Mine") == (dict(figures, batches_seen_per_rank=[3, 3], order_changes=None), "")
+
+
+def test_inputs_that_hold_no_positional_tensor_are_not_taken_for_one_batch():
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from ddp_conformance.checks.observe import fed_digest
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+
+    assert fed_digest(((), {})) is None and fed_digest((3, "a")) is None  # model(input_ids=x): args are ()
+    one, two = torch.ones(2), torch.zeros(2)
+    assert fed_digest((Batch(one),)) != fed_digest((Batch(two),)) is not None
+    assert fed_digest(({"ids": one},)) != fed_digest(({"ids": two},))
+    assert fed_digest((np.ones(2),)) != fed_digest((np.zeros(2),)) is not None
 
 
 def test_clipping_by_norm_or_value_is_told_from_a_wrong_gradient():
@@ -191,11 +215,35 @@ def test_clipping_by_norm_or_value_is_told_from_a_wrong_gradient():
     from ddp_conformance.checks.gradients import clipping
 
     single = {"w": torch.tensor([0.5, -2.0, 0.1], dtype=torch.float64), "b": torch.tensor([3.0], dtype=torch.float64)}
-    assert "0.1x the single-process gradients, uniformly: gradient clipping by norm" in clipping(
-        {n: g * 0.1 for n, g in single.items()}, single, 1e-5)
+    assert clipping({n: g * 0.1 for n, g in single.items()}, single, 1e-5) == (
+        "0.1x the single-process gradients, uniformly: gradient clipping by norm (not judged)")
     clamped = {n: g.clamp(-1.0, 1.0) for n, g in single.items()}
-    assert clipping(clamped, single, 1e-5) == ("the single-process gradients clamped to +-1 (2 of 4 elements beyond "
-                                               "it): gradient clipping by value")
+    assert clipping(clamped, single, 1e-5) == ("the single-process gradients clamped to +-1: gradient clipping by "
+                                               "value (the 2 of 4 elements beyond it are not judged, the others match)")
     wrong = dict(clamped, w=torch.tensor([0.4, -1.0, 0.1], dtype=torch.float64))  # an unclamped element is off
     assert clipping(wrong, single, 1e-5) == ""
+    small = {"w": torch.tensor([0.5, -2.0], dtype=torch.float64), "b": torch.tensor([1e-3], dtype=torch.float64)}
+    doubled_bias = {"w": small["w"].clamp(-1.0, 1.0), "b": small["b"] * 2}  # off by its own scale, not w's
+    assert clipping(doubled_bias, small, 1e-5) == ""
     assert clipping({n: g * 2 for n, g in single.items()}, single, 1e-5) == ""  # larger: no clipping does that
+    assert clipping({n: -g for n, g in single.items()}, single, 1e-5) == ""  # a sign flip is no clipping
+    assert clipping({n: g * 0 for n, g in single.items()}, single, 1e-5) == ""  # nor are zero gradients
+
+
+def test_tensors_stepped_outside_the_model_are_compared_only_where_they_start_alike():
+    from ddp_conformance.checks.states import drifted
+
+    replica, shard = "optimizer param_groups[0][4], a scalar", "optimizer param_groups[1][0], shape (8, 4)"
+    ranks = [{replica: ("s", "a"), shard: ("r0", "x")}, {replica: ("s", "b"), shard: ("r1", "y")}]
+    assert drifted(ranks) == ([replica], [shard])
+    assert drifted([{replica: ("s", "a")}, {replica: ("s", "a")}]) == ([], [])
+    assert drifted([]) == ([], [])
+
+
+def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restored_everywhere():
+    from ddp_conformance.checks.resume_fidelity import BUFFERS_LOST, _rank_buffers
+
+    assert _rank_buffers(["", f"{BUFFERS_LOST}: after ..."]).startswith(
+        f"{BUFFERS_LOST} on rank 1, while rank 0's are: the ranks keep buffers of their own (broadcast_buffers=False)")
+    assert _rank_buffers([f"{BUFFERS_LOST}: x", f"{BUFFERS_LOST}: y"]) == ""  # every rank: the checkpoint's fault
+    assert _rank_buffers(["", ""]) == ""
