@@ -102,10 +102,13 @@ def world_of_one() -> Iterator[None]:
 
 
 def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
-    """A fresh adapter set up as rank 0 of a world of one, inside `world_of_one`: a trainer that reads
-    the world size once, at setup (`self.world = dist.get_world_size()`, `ctx.world_size`), reads 1
+    """A fresh adapter set up as rank 0 of a world of one, inside `world_of_one`, with the config's
+    `devices` and `num_nodes` at 1: a trainer that reads the world size once, at setup (`self.world =
+    dist.get_world_size()`, `ctx.world_size`), or from its config (`devices * num_nodes`), reads 1
     there, as it would in a real single-process run. None (with a note) if its setup cannot do that."""
     one = replace(ctx.rank_ctx, rank=0, local_rank=0, world_size=1, num_nodes=1)
+    config = config or ctx.config  # as the harness reconciles it for one process: devices 1, num_nodes 1
+    config = replace(config, trainer=replace(config.trainer, devices=1, num_nodes=1))
     try:
         with world_of_one():
             return ctx.adapter(config, one)

@@ -19,6 +19,10 @@ rank. The resume then reads rank 0's file on every rank. (A trainer that ignores
 and writes elsewhere is reported as such; one that broadcasts rank 0's path and writes it on all
 ranks would land in rank 0's directory and is not told apart: a limit of watching directories.)
 
+The uninterrupted fit runs far past rank_participation's few steps, across epoch boundaries: the
+ranks' parameters must stay identical after each of its steps (a `no_sync` that also wraps an
+epoch's last short accumulation window, parameters unfrozen after DDP was built, part them later).
+
 Before anything is compared, the uninterrupted fit must have trained (`vacuity.py`): a fit whose
 gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds; and the two fits
 from scratch must agree at step k (the recorder digests the parameters after every step), or the
@@ -48,6 +52,7 @@ import pytest
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
+from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .states import BUFFER_SUFFIXES, Difference, differences, digest, drifted, parameters
 from .vacuity import TrainingEvidence, vacuity_verdict
 
@@ -177,6 +182,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
     full = _uninterrupted(ctx, config, n, figures)
+    _ranks_stay_in_step(ctx, n, epoch, figures)
     part, checkpoint, written = _until_checkpoint(ctx, config, k, figures)
     at_checkpoint = _capture_rng()
     _disturb_rng(ctx.rank)
@@ -231,6 +237,23 @@ def _uninterrupted(ctx: CheckContext, config: RunConfig, n: int, figures: dict[s
     if vacuous:
         raise ctx.fail(vacuous, **figures)
     return full
+
+
+def _ranks_stay_in_step(ctx: CheckContext, n: int, epoch: int, figures: dict[str, Any]) -> None:
+    """The uninterrupted fit crosses epoch boundaries, far past rank_participation's fit(STEPS): the
+    ranks' parameters must stay identical after each of its steps (the recorder digests them).
+    Divergence that begins later than rank_participation can see is named here (collective);
+    earlier divergence is rank_participation's verdict, and the checkpoint comparison skips."""
+    __tracebackhide__ = hide_on_verdict
+    steps = all_gather(ctx.recordings["uninterrupted"].step_digests)
+    first = next((s for s, digests in enumerate(zip(*steps, strict=False), start=1) if len(set(digests)) > 1), 0)
+    if first > PARTICIPATION_STEPS:
+        where = f"step {first} of fit({n}), step {(first - 1) % epoch + 1} of epoch {(first - 1) // epoch}"
+        raise ctx.fail(f"the ranks' parameters part after optimizer {where} ({epoch} steps an epoch), identical "
+                       f"through step {first - 1}: some later step's gradients are not all-reduced (no_sync() also "
+                       "around the step that ends an epoch's short accumulation window? parameters unfrozen after "
+                       f"DDP was built, which DDP never registered?); rank_participation's fit({PARTICIPATION_STEPS}) "
+                       "ends before that", **figures)
 
 
 def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
