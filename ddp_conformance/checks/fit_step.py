@@ -26,7 +26,7 @@ from typing import Any
 
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, closeness, max_delta, scale_ratio, single_process_adapter, world_of_one
 from .observe import FitRecord, unwrapped
 from .progress import guarded_fit
 
@@ -146,7 +146,7 @@ def _diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any
     if missing:
         return f"{head}: parameter {missing[0]} gets no gradient in the fit"
     ratio, residual = scale_ratio(fit, whole)
-    close = 10 * rtol + 1e-6
+    close = closeness(rtol)
     uniform = residual < close
     if uniform and world > 1 and abs(ratio * world - 1) < close:
         return (f"{head}: exactly 1/{world} of it, the fit's loop divides the loss or the gradients by the "

@@ -31,7 +31,7 @@ import pytest
 
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
-from .gradients import clipping, grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
 from .observe import unwrapped
 from .states import item_digest
 
@@ -198,7 +198,7 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
         return ""
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(tolerance)})"
     ratio, residual = scale_ratio(ddp_g, single_g)
-    close = 10 * rtol + 1e-6
+    close = closeness(rtol)
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
         if cause == "divided":
             return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is divided by the "

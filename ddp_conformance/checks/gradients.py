@@ -50,6 +50,12 @@ def scale_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return r, (res / aa) ** 0.5 if aa > 0 else float("inf")
 
 
+def closeness(rtol: float) -> float:
+    """How near a measured ratio must come to a bug's exact ratio (1/W, W, 1/A...) to be that bug:
+    ten times the precision's gradient tolerance, and never below float64 noise."""
+    return 10 * rtol + 1e-6
+
+
 def clipping(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     """How gradients `a` are the reference gradients `b` clipped, or "" when they are not. Clipping
     acts on the averaged gradient, the same on every rank, so a trainer that clips is correct."""
@@ -58,7 +64,7 @@ def clipping(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
 
 def _clipped_by_norm(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     """A uniform scale strictly between 0 and 1 (no bug's ratio: those are checked first)."""
-    close = 10 * rtol + 1e-6
+    close = closeness(rtol)
     ratio, residual = scale_ratio(a, b)
     if residual < close and close < ratio < 1 - close:
         return f"{fmt(ratio)}x the single-process gradients, uniformly: gradient clipping by norm (not judged)"
@@ -77,7 +83,7 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     bound = max(float(x.abs().max()) for x, _ in pairs)
     if bound <= rtol * max(float(g.abs().max()) for _, g in pairs):
         return ""  # all zero, or nearly: no clipping leaves nothing
-    clipped = sum(int((g.abs() > bound * (1 + 10 * rtol + 1e-6)).sum()) for _, g in pairs)
+    clipped = sum(int((g.abs() > bound * (1 + closeness(rtol))).sum()) for _, g in pairs)
     off = any(float((x - torch.clamp(g, -bound, bound)).abs().max()) > rtol * float(g.abs().max()) for x, g in pairs)
     if not clipped or off:
         return ""
