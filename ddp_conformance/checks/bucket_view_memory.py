@@ -134,7 +134,8 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -
         return
     try:
         guarded_fit(ctx, "fit-setting", 1, lambda observer: ctx.adapter().fit(1, observer=observer))
-    except NotProvided:
+    except NotProvided as exc:
+        ctx.note(f"the DDP the fit builds is not compared with wrap's: {exc}")
         return
     ddp = ctx.recordings["fit-setting"].ddp
     fit_flags = all_gather(None if ddp is None else bool(ddp.get("gradient_as_bucket_view")))
