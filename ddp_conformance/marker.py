@@ -1,7 +1,8 @@
 """The `ddp` marker, parsed and validated once per test into one `DdpTest` that every consumer reads.
 
-`@pytest.mark.ddp(world_size=None, timeout=None)`: world_size an int >= 1 or a list of them (one
-test id each, through the `ddp` fixture's indirect parametrization), timeout a number of seconds.
+`@pytest.mark.ddp(world_size=None, timeout=None, preload=())`: world_size an int >= 1 or a list of
+them (one test id each, through the `ddp` fixture's indirect parametrization), timeout a number of
+seconds, preload module names the ranks import before the test can start (see `DdpTest.preload`).
 A bad value is a usage error at collection, before anything is spawned.
 """
 
@@ -15,8 +16,9 @@ import pytest
 from .options import settings_of
 
 MARKER_HELP = (
-    "ddp(world_size=None, timeout=None): run the test body on every rank of an initialised process "
-    "group; world_size an int or a list of ints (one test id each), default --ddp-world-size."
+    "ddp(world_size=None, timeout=None, preload=()): run the test body on every rank of an initialised "
+    "process group; world_size an int or a list of ints (one test id each), default --ddp-world-size; "
+    "preload: modules imported once before the ranks start (e.g. torch._dynamo)."
 )
 
 
@@ -27,6 +29,10 @@ class DdpTest:
     world_size: int  # the ranks it runs on: its own size (or parametrized one), else --ddp-world-size
     requested_size: int | None  # the size it named itself; None when it takes the session's
     timeout: float  # its own limit in seconds, else --ddp-timeout
+    # modules imported once, in the fork server, before it forks the session's first ranks: a module
+    # every rank imports itself costs its CPU once per rank (torch._dynamo: ~2.4 s, at a rank's first
+    # optimizer or DDP), and the ranks of a 2-core machine import it side by side
+    preload: tuple[str, ...] = ()
 
 
 _KEY = pytest.StashKey["DdpTest | None"]()
@@ -55,6 +61,16 @@ def _timeout(marker: pytest.Mark, where: str) -> float | None:
     return float(value)
 
 
+def _preload(marker: pytest.Mark, where: str) -> tuple[str, ...]:
+    value = marker.kwargs.get("preload", ())
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(
+            isinstance(n, str) and n and all(part.isidentifier() for part in n.split(".")) for n in names):
+        raise pytest.UsageError(f"{where}: @pytest.mark.ddp(preload=...) expects a module name or a list of them "
+                                f"(e.g. \"torch._dynamo\"), got {value!r}")
+    return tuple(names)
+
+
 def parametrize(metafunc: pytest.Metafunc) -> None:
     """Validate the marker at collection and give a test marked with several sizes one id per size."""
     marker = metafunc.definition.get_closest_marker("ddp")
@@ -62,6 +78,7 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
         return
     sizes = _sizes(marker, metafunc.definition.nodeid)
     _timeout(marker, metafunc.definition.nodeid)
+    _preload(marker, metafunc.definition.nodeid)
     if sizes is None or len(sizes) == 1:
         return
     # parametrize needs an argument the test requests: the `ddp` fixture, indirectly
@@ -91,4 +108,5 @@ def _parse(item: pytest.Item) -> DdpTest | None:
         sizes = _sizes(marker, item.nodeid)
         requested = sizes[0] if sizes else None
     timeout = _timeout(marker, item.nodeid) or settings.timeout
-    return DdpTest(world_size=requested or settings.world_size, requested_size=requested, timeout=timeout)
+    return DdpTest(world_size=requested or settings.world_size, requested_size=requested, timeout=timeout,
+                   preload=_preload(marker, item.nodeid))

@@ -65,6 +65,7 @@ class PoolController:
         self._zygote: Zygote | None = None
         self.last_test: dict[tuple[int, str], str] = {}
         self.longest_timeout = settings.timeout  # raised to the longest marked test's at collection
+        self.preload: tuple[str, ...] = ()  # what the collected tests ask the zygote to import first
         self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
 
     # -- the controller's face (see controller.Controller) ----------------------------------------
@@ -78,6 +79,7 @@ class PoolController:
         if sizes:
             self._activate()
             self.longest_timeout = max([self.longest_timeout, *(test.timeout for test in tests)])
+            self.preload = tuple(dict.fromkeys(name for test in tests for name in test.preload))
             self.prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
 
     def session_started(self, config: pytest.Config) -> None:
@@ -162,7 +164,7 @@ class PoolController:
             self._zygote = None
         if self._zygote is None and not self._zygote_failed:
             try:
-                self._zygote = Zygote(start_timeout=self.settings.start_timeout)
+                self._zygote = Zygote(start_timeout=self.settings.start_timeout, preload=self.preload)
             except OSError:
                 self._zygote_failed = True
         return self._zygote

@@ -35,7 +35,8 @@ WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends
 class Zygote:
     """The pool's side of the fork server: start it, ask it for ranks, learn how they ended."""
 
-    def __init__(self, start_timeout: float) -> None:
+    def __init__(self, start_timeout: float, preload: tuple[str, ...] = ()) -> None:
+        """`preload`: modules imported, after PRELOAD, before it says it is ready (`DdpTest.preload`)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, DDP_CONFORMANCE_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
         # its own words (an import error, say) go to a private log, read back when it fails to start,
@@ -44,7 +45,7 @@ class Zygote:
         self.log_path = os.path.join(self.log_dir, "zygote.log")
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ddp_conformance.runner.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "ddp_conformance.runner.zygote", str(theirs.fileno()), *preload],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
             )
@@ -196,13 +197,15 @@ def _import_quietly(name: str) -> None:
         traceback.print_exc()
 
 
-def main(fd: int) -> int:
+def main(fd: int, preload: list[str]) -> int:
     from .rank import die_with_parent
 
     die_with_parent()
     conn = Connection(fd)
     for name in PRELOAD:
         __import__(name)
+    for name in preload:
+        _import_quietly(name)  # (torch._dynamo also writes os.environ: reset per rank)
     warmup: list[str] = []
     busy_until = time.monotonic() + WARMUP_AFTER_IDLE
     try:
@@ -228,6 +231,6 @@ def main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    code = main(int(sys.argv[1]))
+    code = main(int(sys.argv[1]), sys.argv[2:])
     sys.stdout.flush()
     os._exit(code)  # no teardown of torch's modules (1-3 s of CPU): nothing here needs it

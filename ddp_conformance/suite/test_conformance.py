@@ -13,6 +13,7 @@ from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_sec
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import settings_of
 from ddp_conformance.report import CHECK_PROPERTY, TRAINER_PROPERTY
+from ddp_conformance.runner.protocol import WARMUP
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -36,6 +37,6 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
                         stall_after=stall_seconds(timeout))
 
 
-@pytest.mark.ddp
+@pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo
 def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
     run_check(check, trainer, conformance_options, ddp, tmp_path)

@@ -2,12 +2,17 @@
 
 A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail),
 `DIAGNOSIS` (words its verdict must contain, so a failure names the bug) and `SKIPS` (checks that
-cannot judge it, with words their reason must contain); a control (bucket_view_off) breaks nothing
-and must only be skipped where it says. The session's config (suite.yaml) turns gradient_as_bucket_view
-on, so bucket_view_memory judges every trainer that honours its config. All trainers go through
-ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant would pay a cold rank
-pool and the ranks' first torch/Lightning imports every time. Its `--ddp-report` JSON is then read
-per trainer by the parametrized tests below, and its JUnit XML and terminal output by the others.
+cannot judge it, with words their reason must contain); a control (`CONTROL`: correct in an unusual
+way) breaks nothing and must only be skipped where it says. The session's config (suite.yaml) turns
+gradient_as_bucket_view on, so bucket_view_memory judges every trainer that honours its config.
+
+All trainers go through ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant
+would pay a cold rank pool and the ranks' first torch/Lightning imports every time. Its
+`--ddp-report` JSON is then read per trainer by the parametrized tests below, and its JUnit XML and
+terminal output by the others. The default run's session runs the references and controls on every
+check and each mutant on the checks it declares (`planned`); the rest of the matrix, every other
+check passing each mutant (no check fails a bug that is not its own), is the slow test's session
+(-m slow, which CI runs after the default run): half the matrix's time, ~35 s of a 2-core machine.
 
 `--ddp-timeout 20` gives the hang watchdog 2 s (`stall_seconds`): the mutant whose rank 1 never
 trains must be reported by the check naming rank 1, long before the harness's timeout.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +39,6 @@ MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
 CONFIG = Path(__file__).with_name("suite.yaml")
 
-SPECS = REFERENCES + [f"{path}:Trainer" for path in MUTANTS]
 
 
 _REQUIRED = object()
@@ -49,22 +54,50 @@ def declared(path: Path, name: str, default: Any = _REQUIRED) -> Any:
     raise AssertionError(f"{path.name} does not define {name}")
 
 
-@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
-def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    workdir = tmp_path_factory.mktemp("suite")
-    report, junit = workdir / "report.json", workdir / "junit.xml"
+def planned(path: Path) -> list[str]:
+    """The checks the default run's session asks of a mutant: those it breaks or skips; of a control, all."""
+    if declared(path, "CONTROL", ""):
+        return list(CHECK_IDS)
+    named = set(declared(path, "BREAKS")) | set(declared(path, "SKIPS", {}))
+    return [check for check in CHECK_IDS if check in named]
+
+
+def spec_of(path: Path) -> str:
+    return f"{path}:Trainer"
+
+
+def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """One nested session of these (SPEC, check) pairs (tests/checks/nested_selection.py deselects the rest)."""
+    report, junit, selected = workdir / "report.json", workdir / "junit.xml", workdir / "pairs.json"
+    selected.write_text(json.dumps(pairs))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
-               "--ddp-world-size", "2", "--ddp-timeout", "20", "--ddp-config", str(CONFIG),
-               "--ddp-report", str(report), f"--junitxml={junit}"]
-    for spec in SPECS:
+               "-p", "tests.checks.nested_selection", "--ddp-world-size", "2", "--ddp-timeout", "20",
+               "--ddp-config", str(CONFIG), "--ddp-report", str(report), f"--junitxml={junit}"]
+    for spec in dict.fromkeys(spec for spec, _ in pairs):
         command += ["--ddp-trainer", spec]
-    proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=600)  # a hang, not a slow host
+    env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=600)  # a hang, not a slow host
     assert report.is_file(), f"no report; pytest said:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     doc = json.loads(report.read_text())
     by_trainer: dict[str, dict[str, dict[str, Any]]] = {}
     for result in doc["results"]:
         by_trainer.setdefault(result["trainer"], {})[result["check"]] = result
     return {"proc": proc, "doc": doc, "results": by_trainer, "junit": junit.read_text()}
+
+
+@pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
+def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pairs = [(spec, check) for spec in REFERENCES for check in CHECK_IDS]
+    pairs += [(spec_of(path), check) for path in MUTANTS for check in planned(path)]
+    return run_nested(tmp_path_factory.mktemp("suite"), pairs)
+
+
+@pytest.fixture(scope="module")
+def rest_of_the_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pairs = [(spec_of(path), check) for path in MUTANTS for check in CHECK_IDS if check not in planned(path)]
+    return run_nested(tmp_path_factory.mktemp("suite_rest"), pairs)
 
 
 def test_reference_trainers_pass_every_check(session: dict[str, Any]) -> None:
@@ -83,17 +116,29 @@ def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug
     control = declared(path, "CONTROL", "")  # a trainer correct in an unusual way: it must pass
     assert (breaks or skips or control) and set(breaks) | set(skips) <= set(CHECK_IDS)
     assert set(diagnosis) == set(breaks), "every check a mutant breaks has the words its verdict must say"
-    results = session["results"][f"{path}:Trainer"]
-    assert list(results) == list(CHECK_IDS)
+    results = session["results"][spec_of(path)]
+    assert list(results) == planned(path)
     outcomes = {check: r["outcome"] for check, r in results.items()}
     assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks), outcomes
-    # every other check passes, except the skips a mutant declares (SKIPS), each for its stated reason
+    # a control passes every other check; a mutant's others are the slow test's (below)
     assert {c for c, o in outcomes.items() if o == "skipped"} == set(skips), outcomes
     for check, words in skips.items():
         assert words in results[check]["message"], results[check]["message"]
     for check, words in diagnosis.items():  # one phrase, or several (the bug, then its remedy)
         for phrase in [words] if isinstance(words, str) else words:
             assert phrase in results[check]["message"], results[check]["message"]
+
+
+UNPLANNED = [path for path in MUTANTS if len(planned(path)) < len(CHECK_IDS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", UNPLANNED, ids=[p.stem for p in UNPLANNED])
+def test_mutant_passes_every_check_whose_bug_it_is_not(rest_of_the_matrix: dict[str, Any], path: Path) -> None:
+    results = rest_of_the_matrix["results"][spec_of(path)]
+    assert list(results) == [check for check in CHECK_IDS if check not in planned(path)]
+    failed = {check: r["message"] for check, r in results.items() if r["outcome"] != "passed"}
+    assert not failed, failed
 
 
 def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(session: dict[str, Any]) -> None:
@@ -141,7 +186,7 @@ def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:
 def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -> None:
     doc, out = session["doc"], session["proc"].stdout
     assert (doc["world_size"], doc["backend"]) == (2, "gloo")
-    assert len(doc["results"]) == len(SPECS) * len(CHECK_IDS)
+    assert len(doc["results"]) == len(REFERENCES) * len(CHECK_IDS) + sum(len(planned(path)) for path in MUTANTS)
     assert set(doc["results"][0]) == {"trainer", "check", "outcome", "figures", "message"}
     assert doc["schema_version"] == 2
     # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)

@@ -38,18 +38,22 @@ def test_ini_mirror_and_bad_ini_value(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["ERROR: ini option ddp_world_size: expected an integer >= 1, got 'two'"])
 
 
-def test_bad_marker_argument_is_named(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize(("argument", "expected"), [
+    ("world_size=[2, 0]", "*test_x*world_size=...) expects an int >= 1 or a list of them, got [[]2, 0[]]*"),
+    ("preload=['torch.', 3]", "*test_x*preload=...) expects a module name or a list of them*got [[]'torch.', 3[]]*"),
+])
+def test_bad_marker_argument_is_named(pytester: pytest.Pytester, argument: str, expected: str) -> None:
     pytester.makepyfile(
-        """
+        f"""
         import pytest
-        @pytest.mark.ddp(world_size=[2, 0])
+        @pytest.mark.ddp({argument})
         def test_x(ddp):
             pass
         """
     )
     result = pytester.runpytest_subprocess()
     assert result.ret != 0
-    result.stdout.fnmatch_lines(["*test_x*world_size=...) expects an int >= 1 or a list of them, got [[]2, 0[]]*"])
+    result.stdout.fnmatch_lines([expected])
 
 
 def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> None:
