@@ -120,28 +120,34 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
     finally:
         gc.unfreeze()
+    views = None
     if mode != "no-ddp":  # decided from every rank's runs: all ranks run the fit, or none
-        _fit_agrees(ctx, declared, own_run)
-    return _judge(ctx, mode, declared, own_run, runs)
+        views = _fit_agrees(ctx, declared, own_run)
+    figures = _judge(ctx, mode, declared, own_run, runs)
+    if views is not None:  # the step's own layout is sound (judged first: its verdict names more)
+        _fit_keeps_the_views(ctx, *views)
+    return figures
 
 
-def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -> None:
+def _fit_agrees(ctx: CheckContext, declared: bool | None,
+                own_run: StepMemory) -> tuple[list[bool | None], list[bool | None]] | None:
     """Fail when the DDP the trainer's own fit builds has another gradient_as_bucket_view than the
-    DDP its `wrap` builds (measured above): the memory judged would not be the fit's."""
+    DDP its `wrap` builds (measured above): the memory judged would not be the fit's. Returns every
+    rank's fit flag and whether its first step's gradients were views, for `_fit_keeps_the_views`."""
     __tracebackhide__ = hide_on_verdict
     if not ctx.shared:  # no directory to watch a fit through
         ctx.note("the DDP the fit builds is not compared with wrap's: the ranks share no directory to watch a fit")
-        return
+        return None
     try:
         guarded_fit(ctx, "fit-setting", 1, lambda observer: ctx.adapter().fit(1, observer=observer))
     except NotProvided as exc:
         ctx.note(f"the DDP the fit builds is not compared with wrap's: {exc}")
-        return
-    ddp = ctx.recordings["fit-setting"].ddp
-    fit_flags = all_gather(None if ddp is None else bool(ddp.get("gradient_as_bucket_view")))
+        return None
+    record = ctx.recordings["fit-setting"]
+    fit_flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     ctx.figures["fit_ddp_gradient_as_bucket_view_per_rank"] = fit_flags
     if None in fit_flags or all(flag == bool(own_run.ddp_flag) for flag in fit_flags):
-        return
+        return fit_flags, all_gather(record.grads_were_views)
     if declared and not all(fit_flags):
         raise ctx.fail("gradient_as_bucket_view: true never reaches DDP in the fit: the DistributedDataParallel the "
                        "trainer's fit builds reports gradient_as_bucket_view=False, while its wrap() passes it on "
@@ -149,6 +155,21 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None, own_run: StepMemory) -
     raise ctx.fail(f"the fit's DistributedDataParallel reports gradient_as_bucket_view={fit_flags} (per rank) but the "
                    f"trainer's wrap() builds it with {bool(own_run.ddp_flag)}: wrap restates a DDP the fit does not "
                    "build, so its memory is not the fit's")
+
+
+def _fit_keeps_the_views(ctx: CheckContext, fit_flags: list[bool | None], views: list[bool | None]) -> None:
+    """With the flag on in the fit's DDP, the gradients its optimizer step applies must still be
+    DDP's bucket views: `p.grad = f(p.grad)` between backward and the step (a hook that sanitises
+    gradients) allocates a second copy of every gradient at every step, which train_step never shows."""
+    __tracebackhide__ = hide_on_verdict
+    ctx.figures["fit_grads_were_views_per_rank"] = views
+    lost = [rank for rank, (flag, view) in enumerate(zip(fit_flags, views, strict=True)) if flag and view is False]
+    if lost:
+        raise ctx.fail(f"the gradients the fit's first optimizer step applies are not DDP's bucket views (rank "
+                       f"{lost[0]}) in the fit, although its DDP has gradient_as_bucket_view=True: something "
+                       "replaces p.grad with a new tensor between backward and the step (p.grad = f(p.grad), e.g. "
+                       "torch.nan_to_num in on_before_optimizer_step; change it in place, p.grad.nan_to_num_() or "
+                       "out=p.grad), so every step allocates the gradient copy the flag saves")
 
 
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,

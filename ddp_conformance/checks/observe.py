@@ -15,9 +15,11 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   (read after the step's closure where it has one, as Lightning's automatic optimization passes);
 - every pass of a DataLoader over its data and the dataset indices each batch drew, by wrapping the
   public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the fit (restored
-  after; a DataLoader subclass that calls `super().__iter__()` is seen too). A loader whose batches
-  do not come from a `BatchSampler` is recorded without indices, and every pass keeps a digest of
-  each training micro-batch's inputs: what the rank was fed, whatever made the batches.
+  after; a DataLoader subclass that calls `super().__iter__()` is seen too), and the `__iter__` of
+  the class of a hand-written batch sampler a loader uses (a `Sampler` yielding lists of indices,
+  as length-bucketing samplers are written). A loader whose batches are not lists of indices is
+  recorded without them, and every pass keeps a digest of each training micro-batch's inputs: what
+  the rank was fed, whatever made the batches.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -54,7 +56,7 @@ class LoaderPass:
     replacement: bool | None = None  # the sampler draws with replacement (RandomSampler, WeightedRandomSampler)
     iterable: bool = False  # an IterableDataset: no indices, the dataset decides what each rank reads
     batches: list[list[int]] = field(default_factory=list)
-    indexed: bool = False  # batches came from a BatchSampler, so they are dataset indices
+    indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
     trained: bool = False
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
@@ -90,6 +92,9 @@ class FitRecord:
     first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
     rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
+    # whether every gradient the first optimizer step of a DDP model applied was a view (into DDP's
+    # buckets, with gradient_as_bucket_view); None: no such step
+    grads_were_views: bool | None = None
     model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
     optimizers: list[Any] = field(default_factory=list, repr=False)  # every optimizer that stepped, first first
     outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
@@ -146,6 +151,8 @@ class FitRecorder:
         self._stack = contextlib.ExitStack()
         self._depth = threading.local()
         self._open: Any = None  # the StepInfo of the micro-batch in progress
+        self._watched: set[type] = set()  # hand-written batch sampler classes whose __iter__ is wrapped
+        self._claimed: set[int] = set()  # passes whose batches a batch sampler records
 
     def __enter__(self) -> FitRecorder:
         import torch
@@ -273,6 +280,9 @@ class FitRecorder:
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
         record.optimizer_steps += 1
+        if record.grads_were_views is None and record.ddp is not None and record.model is not None:
+            grads = [p.grad for p in record.model.parameters() if p.grad is not None]
+            record.grads_were_views = all(g._is_view() for g in grads) if grads else None
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
 
@@ -281,19 +291,43 @@ class FitRecorder:
 
         def __iter__(loader: Any) -> Any:
             recorder.record.passes.append(_new_pass(loader))
+            recorder._watch_batch_sampler(getattr(loader, "batch_sampler", None))
             if recorder.listener is not None and hasattr(recorder.listener, "heartbeat"):
                 recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
             return original(loader)
 
         return __iter__
 
+    def _watch_batch_sampler(self, batch_sampler: Any) -> None:
+        """Record a hand-written batch sampler's batches as a BatchSampler's: its class's `__iter__`
+        is wrapped until the fit ends (a built-in iterable, a list of lists, cannot be)."""
+        from torch.utils.data import BatchSampler
+
+        owner = type(batch_sampler)
+        if batch_sampler is None or isinstance(batch_sampler, BatchSampler) or owner in self._watched:
+            return
+        self._watched.add(owner)
+        own = owner.__dict__.get("__iter__")
+        try:
+            owner.__iter__ = self._batch_sampler_iter(owner.__iter__)  # type: ignore[method-assign]
+        except (AttributeError, TypeError):
+            return
+        if own is not None:
+            self._stack.callback(setattr, owner, "__iter__", own)
+        else:
+            self._stack.callback(delattr, owner, "__iter__")
+
     def _batch_sampler_iter(self, original: Any) -> Any:
         recorder = self
 
         def __iter__(sampler: Any) -> Iterator[list[int]]:
+            # the outermost batch sampler of a pass records it (one may wrap a BatchSampler: its
+            # batches are the inner one's regrouped, and the loader's are the outer one's)
             passes = recorder.record.passes
-            target = passes[-1] if passes and not passes[-1].batches and not passes[-1].iterable else None
+            fresh = passes and len(passes) - 1 not in recorder._claimed and not passes[-1].iterable
+            target = passes[-1] if fresh else None
             if target is not None:
+                recorder._claimed.add(len(passes) - 1)
                 target.indexed = True
             return _recorded(original(sampler), target)
 

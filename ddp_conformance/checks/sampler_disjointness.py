@@ -54,17 +54,28 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     complete = passes[: len(EPOCHS)]
     # the scheme is chosen from every rank's passes, so that all ranks make the same collectives
     indexed, replacement = (all(flags) for flags in zip(*all_gather((all(p.indexed for p in complete),
-                                                                      bool(complete[0].replacement))), strict=True))
+                                                                      _draws_with_replacement(complete[0]))),
+                                                         strict=True))
     if not indexed:
         return _judge_unindexed(ctx, complete)
     if replacement:
         return schemes.judge_with_replacement(ctx, complete)
     size = complete[0].dataset_size
     assert size is not None  # a map-style dataset: it has indices
-    figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete))
+    figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete), complete[0].sampler)
     figures.update(indices_from="the fit", scheme="partition")
     _cross_check(ctx, [p.batches for p in complete], figures)
     return figures
+
+
+def _draws_with_replacement(first: Any) -> bool:
+    """As the sampler says (RandomSampler, WeightedRandomSampler); for one that cannot say (a
+    hand-written batch sampler), whether one rank drew an index twice in its first epoch, which a
+    share of a partition never does."""
+    if first.replacement is not None:
+        return bool(first.replacement)
+    drawn = [i for batch in first.batches for i in batch]
+    return len(set(drawn)) < len(drawn)
 
 
 def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
@@ -72,11 +83,12 @@ def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
     return passes[0].shuffle if passes[0].shuffle is not None else ctx.config.data.shuffle
 
 
-def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool) -> dict[str, Any]:
+def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool,
+           sampler: str = "DistributedSampler") -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     gathered = all_gather(mine)
     epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(EPOCHS))]
-    verdict = analyse(epochs, size, shuffle)
+    verdict = analyse(epochs, size, shuffle, sampler)
     figures = dict(verdict.figures)
     if not shuffle:
         ctx.note("the loader does not shuffle: the order across epochs is not judged")

@@ -138,8 +138,10 @@ def _unshuffled(seqs: list[list[int]], n: int) -> bool:
     return strided or flat == sorted(flat)
 
 
-def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: bool) -> SamplingVerdict:
-    """Every epoch's partition, then the order across epochs when shuffling."""
+def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: bool,
+            sampler: str = "DistributedSampler") -> SamplingVerdict:
+    """Every epoch's partition, then the order across epochs when shuffling (`sampler`: the name of
+    what orders the samples, for the advice)."""
     figures: dict[str, Any] = {"dataset_size": dataset_size, "epochs": len(epochs)}
     for epoch, ranks in enumerate(epochs):
         verdict = analyse_epoch(ranks, dataset_size)
@@ -158,7 +160,10 @@ def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: boo
                     return SamplingVerdict(False, "the loader does not shuffle although data.shuffle is true: "
                                                   f"every rank reads its samples in index order in all {len(epochs)} "
                                                   "epochs", figures)
+                cause = ("DistributedSampler.set_epoch(epoch) is never called" if sampler == "DistributedSampler"
+                         else f"{sampler} is never told the epoch (set_epoch(epoch)), or shuffles with a seed "
+                              "without it")
                 return SamplingVerdict(False, f"the order is the same every epoch ({len(epochs)} epochs, every "
-                                              "rank): DistributedSampler.set_epoch(epoch) is never called, so each "
-                                              "epoch reuses the first epoch's shuffle", figures)
+                                              f"rank): {cause}, so each epoch reuses the first epoch's shuffle",
+                                       figures)
     return SamplingVerdict(True, "", figures)

@@ -246,19 +246,20 @@ def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
 
 def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each_batch_fed():
     import torch
-    from torch.utils.data import DataLoader, Sampler, TensorDataset
+    from torch.utils.data import DataLoader, Sampler
 
     from ddp_conformance.checks.observe import FitRecorder, input_digest
     from ddp_conformance.checks.states import OUTSIDE, trained
 
-    class Pairs(Sampler):  # a hand-written batch sampler: no BatchSampler, no indices to read
+    class Pairs(Sampler):  # a hand-written batch sampler of keys, not indices: nothing to read by index
         def __iter__(self):
-            return iter([[0, 1], [2, 3], [4, 5]])
+            return iter([["a", "b"], ["c", "d"], ["e", "f"]])
 
         def __len__(self):
             return 3
 
-    loader = DataLoader(TensorDataset(torch.arange(12.0).reshape(6, 2)), batch_sampler=Pairs())
+    rows = torch.arange(12.0).reshape(6, 2)
+    loader = DataLoader({key: (rows[n],) for n, key in enumerate("abcdef")}, batch_sampler=Pairs())
     model, temperature = torch.nn.Linear(2, 1), torch.nn.Parameter(torch.ones(()))
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)  # stepped by no optimizer: not compared
     optimizer = torch.optim.SGD([*model.parameters(), temperature, frozen], lr=0.1)
@@ -276,3 +277,35 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
     [fed] = record.training_passes()
     assert fed.sampler == "Pairs" and fed.shuffle is None and not fed.indexed
     assert len(fed.inputs) == 3 and len(set(fed.inputs)) == 3 and fed.first_input == fed.inputs[0]
+
+
+def test_a_hand_written_batch_sampler_of_indices_is_recorded_and_its_class_restored():
+    """A length-bucketing sampler is a `Sampler` yielding lists of indices, no BatchSampler: its
+    class's __iter__ is wrapped for the fit, and only the outermost of nested batch samplers records."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, TensorDataset
+
+    from ddp_conformance.checks.observe import FitRecorder
+
+    class Buckets(Sampler):  # regroups a BatchSampler's batches, as bucketing samplers do
+        def __init__(self):
+            self.inner = BatchSampler(SequentialSampler(range(6)), batch_size=2, drop_last=False)
+
+        def __iter__(self):
+            flat = [i for batch in self.inner for i in batch]
+            yield from ([flat[i], flat[i + 3]] for i in range(3))
+
+        def __len__(self):
+            return 3
+
+    original = Buckets.__dict__["__iter__"]
+    loader = DataLoader(TensorDataset(torch.arange(12.0).reshape(6, 2)), batch_sampler=Buckets())
+    model = torch.nn.Linear(2, 1)
+    with FitRecorder() as recorder:
+        for _epoch in range(2):
+            for (x,) in loader:
+                model(x).sum().backward()
+    assert Buckets.__dict__["__iter__"] is original  # restored when the fit ends
+    passes = recorder.record.training_passes()
+    assert [p.batches for p in passes] == [[[0, 3], [1, 4], [2, 5]]] * 2 and all(p.indexed for p in passes)
+    assert passes[0].sampler == "Buckets" and len(passes[0].inputs) == 1  # indices: only the first input digested

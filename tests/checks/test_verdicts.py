@@ -247,3 +247,17 @@ def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restor
         f"{BUFFERS_LOST} on rank 1, while rank 0's are: the ranks keep buffers of their own (broadcast_buffers=False)")
     assert _rank_buffers([f"{BUFFERS_LOST}: x", f"{BUFFERS_LOST}: y"]) == ""  # every rank: the checkpoint's fault
     assert _rank_buffers(["", ""]) == ""
+
+
+def test_a_sampler_that_cannot_say_draws_with_replacement_when_a_rank_repeats_an_index():
+    from ddp_conformance.checks.observe import LoaderPass
+    from ddp_conformance.checks.sampler_disjointness import _draws_with_replacement
+
+    def drew(batches, replacement=None):
+        return LoaderPass(length=len(batches), dataset_size=8, sampler="Mine", shuffle=None,
+                          replacement=replacement, batches=batches)
+
+    assert not _draws_with_replacement(drew([[0, 2], [4, 6]]))  # a share of a partition
+    assert _draws_with_replacement(drew([[0, 2], [2, 6]]))  # index 2 twice in one rank's epoch
+    assert not _draws_with_replacement(drew([[0, 2], [2, 6]], replacement=False))  # the sampler says
+    assert _draws_with_replacement(drew([[0, 2], [4, 6]], replacement=True))
