@@ -143,9 +143,13 @@ class FitRecorder:
 
     _lock = threading.Lock()
 
-    def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False) -> None:
+    def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
+                 all_inputs: bool = False) -> None:
+        """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
+        indices or not, to compare what two fits fed their models."""
         self.record = FitRecord()
         self._capture_first_step = first_step
+        self._all_inputs = all_inputs
         self.listener = listener
         self.rank = rank
         self._stack = contextlib.ExitStack()
@@ -216,7 +220,8 @@ class FitRecorder:
             record.passes[-1].trained = True
             training = record.training_passes()
         fed = record.passes[-1] if record.passes else None  # trained: marked just above
-        if fed is not None and (not fed.inputs or not fed.indexed) and len(fed.inputs) < DIGESTED_INPUTS:
+        digest_all = self._all_inputs or not fed.indexed if fed is not None else False
+        if fed is not None and (not fed.inputs or digest_all) and len(fed.inputs) < DIGESTED_INPUTS:
             fed.inputs.append(fed_digest(inputs))  # the first always (iterable datasets); all without indices
         self._close_micro_batch()
         if self.listener is None:

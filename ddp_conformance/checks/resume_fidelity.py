@@ -34,8 +34,10 @@ with (captured by the observer) differ from the checkpointed ones (`module.` key
 named when present); only buffers differ (every parameter matches: BatchNorm statistics not
 checkpointed); optimizer; scheduler; every rank resumes from one RNG state although fresh fits
 give each its own (rank 0's state restored everywhere); and if only the trajectory differs, one more resume
-with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored,
-otherwise the data position/order is not. When the checkpoint is Lightning's, those two verdicts
+with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored;
+if it is fed the same inputs as the uninterrupted run and still differs, state the checkpoint does
+not hold (an EMA or teacher model, optimizer state outside its state_dict); otherwise the data
+position/order is not. When the checkpoint is Lightning's, those two verdicts
 name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
 """
 
@@ -232,7 +234,7 @@ def _uninterrupted(ctx: CheckContext, config: RunConfig, n: int, figures: dict[s
         return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
 
     full, progress = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs),
-                                 inner=evidence, extra=evidence_of)
+                                 inner=evidence, extra=evidence_of, all_inputs=True)
     vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
     if vacuous:
         raise ctx.fail(vacuous, **figures)
@@ -405,7 +407,7 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     head = _head(k, n)
     _restore_rng(at_checkpoint)
     again, _ = guarded_fit(ctx, "resumed-same-rng", n - k, lambda obs: ctx.adapter(config).resume(
-        checkpoint, n, observer=obs))
+        checkpoint, n, observer=obs), all_inputs=True)
     shown = [d for d in found if d.part == "params"] or found
     worst = max(shown, key=lambda d: d.delta or 0.0) if shown else Difference("params", "?", "", "")
     lightning = lightning_checkpoint(checkpoint)
@@ -417,10 +419,31 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     tail = full.losses[len(part.losses):]
     diverge = next((i for i, (a, b) in enumerate(zip(tail, again.losses, strict=False)) if a != b), None)
     at = f" from micro-batch {diverge} after the resume" if diverge is not None else ""
+    if _fed_alike(ctx):
+        return (f"state the checkpoint does not hold is lost: {head}{at} ({worst.describe()}) although the resumed "
+                "run is fed the inputs the uninterrupted run was fed, with the RNG as it was at the checkpoint and "
+                "the same weights, optimizer and scheduler state: something else the training reads is not saved "
+                "and restored (a second model such as an EMA or teacher copy, a second optimizer, or state an "
+                "optimizer keeps outside its state_dict, a module's tensors that are not registered buffers, a "
+                "generator of its own)")
     remedy = "" if lightning is None else f"; {LIGHTNING_DATA_REMEDY[lightning.stateful_loader]}"
     return (f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
             f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
             f"({worst.describe()}){remedy}")
+
+
+def _fed_alike(ctx: CheckContext) -> bool:
+    """Whether, on every rank, the resume with the checkpoint's RNG fed its model the inputs the
+    uninterrupted fit fed over the same micro-batches (digests); False where a rank cannot tell
+    (an input with no tensor to digest, a pass longer than DIGESTED_INPUTS)."""
+    full, again = (_fed(ctx.recordings[label]) for label in ("uninterrupted", "resumed-same-rng"))
+    mine = bool(full and again) and full[len(full) - len(again):] == again  # type: ignore[arg-type]
+    return all(all_gather(mine))
+
+
+def _fed(record: Any) -> list[str] | None:
+    digests = [d for p in record.training_passes() for d in p.inputs]
+    return digests if len(digests) == record.micro_batches and None not in digests else None
 
 
 LIGHTNING_RNG_REMEDY = ("Lightning checkpoints hold no RNG state: add ddp_conformance.lightning.RNGStateCallback() to "
