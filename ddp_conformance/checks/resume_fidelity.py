@@ -434,10 +434,12 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
 
 def _fed_alike(ctx: CheckContext) -> bool:
     """Whether, on every rank, the resume with the checkpoint's RNG fed its model the inputs the
-    uninterrupted fit fed over the same micro-batches (digests); False where a rank cannot tell
-    (an input with no tensor to digest, a pass longer than DIGESTED_INPUTS)."""
+    uninterrupted fit fed after the checkpoint, as many and in order (digests); False where a rank
+    cannot tell (an input with no tensor to digest, a pass longer than DIGESTED_INPUTS). A resume
+    that restarts from the first epoch feeds all of them: as many as the uninterrupted fit, not alike."""
     full, again = (_fed(ctx.recordings[label]) for label in ("uninterrupted", "resumed-same-rng"))
-    mine = bool(full and again) and full[len(full) - len(again):] == again  # type: ignore[arg-type]
+    before = ctx.recordings["until-checkpoint"].micro_batches
+    mine = full is not None and again is not None and bool(again) and full[before:] == again
     return all(all_gather(mine))
 
 
