@@ -11,7 +11,7 @@ trainer's `loss`, and compares per parameter with the same tolerance as the firs
 
 Where one process cannot recompute that step exactly, the step is noted as not judged rather than
 guessed at: the fit drew random numbers during the step (dropout, random augmentation), BatchNorm in
-training mode (each rank normalises by its own micro-batch), no dataset indices (no `BatchSampler`),
+training mode (each rank normalises by its own micro-batch), no dataset indices (batches of keys),
 micro-batches of unequal sizes, a model whose parameters do not match `make_model`'s. Dropout from the
 run config is set to 0 for this fit. A uniform scale below 1 that is no known bug's ratio is gradient
 clipping by norm, and the gradients clamped to one bound are clipping by value (`gradients.clipping`),

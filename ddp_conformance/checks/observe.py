@@ -185,9 +185,13 @@ class FitRecorder:
             self._stack.close()
 
     def _patch(self, owner: type, name: str, make: Any) -> None:
-        original = owner.__dict__[name]
-        setattr(owner, name, make(original))
-        self._stack.callback(setattr, owner, name, original)
+        """Wrap `owner.name` (its own or inherited) until the fit ends, then put back what it had."""
+        own = owner.__dict__.get(name)
+        setattr(owner, name, make(getattr(owner, name)))
+        if own is not None:
+            self._stack.callback(setattr, owner, name, own)
+        else:
+            self._stack.callback(delattr, owner, name)
 
     # --- hooks ------------------------------------------------------------------------------------
 
@@ -220,8 +224,8 @@ class FitRecorder:
             record.passes[-1].trained = True
             training = record.training_passes()
         fed = record.passes[-1] if record.passes else None  # trained: marked just above
-        digest_all = self._all_inputs or not fed.indexed if fed is not None else False
-        if fed is not None and (not fed.inputs or digest_all) and len(fed.inputs) < DIGESTED_INPUTS:
+        if fed is not None and len(fed.inputs) < DIGESTED_INPUTS and (
+                not fed.inputs or not fed.indexed or self._all_inputs):
             fed.inputs.append(fed_digest(inputs))  # the first always (iterable datasets); all without indices
         self._close_micro_batch()
         if self.listener is None:
@@ -312,15 +316,8 @@ class FitRecorder:
         if batch_sampler is None or isinstance(batch_sampler, BatchSampler) or owner in self._watched:
             return
         self._watched.add(owner)
-        own = owner.__dict__.get("__iter__")
-        try:
-            owner.__iter__ = self._batch_sampler_iter(owner.__iter__)  # type: ignore[method-assign]
-        except (AttributeError, TypeError):
-            return
-        if own is not None:
-            self._stack.callback(setattr, owner, "__iter__", own)
-        else:
-            self._stack.callback(delattr, owner, "__iter__")
+        with contextlib.suppress(AttributeError, TypeError):
+            self._patch(owner, "__iter__", self._batch_sampler_iter)
 
     def _batch_sampler_iter(self, original: Any) -> Any:
         recorder = self

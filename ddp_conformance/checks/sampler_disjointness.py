@@ -6,8 +6,8 @@ adapter's `make_loader` calls it. The fit runs long enough to finish two epochs:
 fit first measures the training loader's length and the micro-batches per optimizer step
 (`progress.probe_epoch_steps`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
-("make_loader yields samples the fit never consumed"); where the fit's loader draws no dataset
-indices (no `BatchSampler`), the fit's own inputs are judged (`schemes.judge_inputs`: no batch fed
+("make_loader yields samples the fit never consumed"); where the fit's batches are not lists of
+dataset indices (a batch sampler of keys), the fit's own inputs are judged (`schemes.judge_inputs`: no batch fed
 to two ranks, a new order each epoch), then the helpers' indices where the adapter has them.
 
 The sampling scheme is recognised from what the fit used, and each is held to its own invariant:
@@ -142,8 +142,8 @@ def _first_difference(helper: list[list[list[int]]],
 
 
 def _judge_unindexed(ctx: CheckContext, complete: list[Any]) -> dict[str, Any]:
-    """A fit that batches without a BatchSampler: its own inputs, then `make_loader`'s partition
-    where the adapter has one."""
+    """A fit whose batches are not lists of dataset indices: its own inputs, then `make_loader`'s
+    partition where the adapter has one."""
     __tracebackhide__ = hide_on_verdict
     fed = schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
     why = f"the fit's loader batches without a BatchSampler ({complete[0].sampler})"

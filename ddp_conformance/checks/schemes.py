@@ -8,8 +8,8 @@
 - A rank-sharded `IterableDataset`: there are no indices to judge, only what the model was fed.
   What must hold: the ranks' first training batches differ (identical ones mean every rank reads
   the same stream: the dataset is not sharded by rank).
-- A map-style dataset batched without a `BatchSampler` (a hand-written batch sampler, as
-  length-bucketing ones are): no indices either, but every micro-batch's inputs are digested. What
+- A map-style dataset batched by something other than lists of indices (a batch sampler of keys,
+  as speech toolkits' are): no indices either, but every micro-batch's inputs are digested. What
   must hold: no two ranks are fed the same batch in an epoch (a sampler never sharded by rank feeds
   every rank the same ones), and, where the config shuffles, a rank's batches change between
   epochs (`set_epoch` that never reaches the sampler replays epoch 0).
