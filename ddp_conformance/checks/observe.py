@@ -38,8 +38,9 @@ from typing import Any
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
+# torch 2.13 keeps `forward_sync_buffers` where older releases kept `broadcast_buffers`; both are read
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
-                "bucket_bytes_cap")
+                "forward_sync_buffers", "bucket_bytes_cap")
 
 
 @dataclass
@@ -57,6 +58,7 @@ class LoaderPass:
     iterable: bool = False  # an IterableDataset: no indices, the dataset decides what each rank reads
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
+    tail: int = 0  # samples a BatchSampler(drop_last=True) leaves out at the end of each epoch's share
     trained: bool = False
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
@@ -428,7 +430,20 @@ def _new_pass(loader: Any) -> LoaderPass:
     return LoaderPass(length=length, dataset_size=size, sampler=type(sampler).__name__,
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
-                      iterable=isinstance(dataset, IterableDataset))
+                      iterable=isinstance(dataset, IterableDataset), tail=_dropped_tail(batch_sampler))
+
+
+def _dropped_tail(batch_sampler: Any) -> int:
+    """What `DataLoader(drop_last=True)` leaves out of each epoch of its sampler: the last, incomplete
+    batch. A sampler that cannot tell its length drops nothing this can know."""
+    from torch.utils.data import BatchSampler
+
+    if not isinstance(batch_sampler, BatchSampler) or not batch_sampler.drop_last:
+        return 0
+    try:
+        return len(batch_sampler.sampler) % batch_sampler.batch_size  # type: ignore[arg-type]
+    except TypeError:
+        return 0
 
 
 def _shuffles(sampler: Any) -> bool | None:

@@ -55,7 +55,7 @@ from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
 from .rank_participation import STEPS as PARTICIPATION_STEPS
-from .states import BUFFER_SUFFIXES, Difference, differences, digest, drifted, parameters
+from .states import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
 from .vacuity import TrainingEvidence, vacuity_verdict
 
 if TYPE_CHECKING:
@@ -203,8 +203,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         weights = first.weights if all(all_gather(taken == k)) else None
         static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
         statics = all_gather(static)
-        verdict = (_rank_buffers(statics) or next((v for v in statics if v), "") or _reseeded(ctx, k, n)
-                   or _one_rng(ctx, k, n))
+        verdict = (_rank_buffers(statics) or _unsynced_buffers(ctx, written, k, n)
+                   or next((v for v in statics if v), "") or _reseeded(ctx, k, n) or _one_rng(ctx, k, n))
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
             verdict = next((v for v in all_gather(verdict) if v), verdict)
@@ -266,9 +266,12 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
+    record = ctx.recordings["until-checkpoint"]
+    buffer_names = [name for name, _ in record.model.named_buffers()] if record.model is not None else None
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
-                          digest(parameters(part.params)), ctx.recordings["until-checkpoint"].outside_digests()))
+                          digest(parameters(part.params)), record.outside_digests(),
+                          digest(buffers(part.params, buffer_names))))
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1 or drifted([w[3] for w in written])[0]:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
@@ -329,8 +332,26 @@ def _rank_buffers(statics: list[str]) -> str:
     if statics[0] or not lost:
         return ""
     return (f"{BUFFERS_LOST} on rank {lost[0]}, while rank 0's are: the ranks keep buffers of their own "
-            "(broadcast_buffers=False) and every rank restores rank 0's, from its checkpoint (save every rank's "
-            "buffers, or keep them in step with broadcast_buffers=True)")
+            "(forward_sync_buffers=False, or broadcast_buffers=False) and every rank restores rank 0's, from its "
+            "checkpoint (save every rank's buffers, or keep them in step with DDP's buffer sync)")
+
+
+def _unsynced_buffers(ctx: CheckContext, written: list[Any], k: int, n: int) -> str:
+    """The ranks' buffers differ at the checkpoint and DDP does not sync them in its forward: each
+    rank trains with buffers of its own (a running normaliser read in training then normalises each
+    rank's inputs differently, while the averaged gradients keep the parameters identical), and a
+    resume hands every rank rank 0's. With the sync on, buffers that differ after the last forward's
+    local update (BatchNorm's) are synced again by the next forward: no fault."""
+    settings = ctx.recordings["uninterrupted"].ddp or {}
+    synced = next((settings[key] for key in ("forward_sync_buffers", "broadcast_buffers")
+                   if settings.get(key) is not None), None)
+    if synced is not False or len({w[4] for w in written}) < 2:
+        return ""
+    return (f"the ranks' buffers differ at the checkpoint, and DDP does not sync them in its forward "
+            f"(forward_sync_buffers=False; broadcast_buffers=False before torch 2.13): {_head(k, n)}, since every "
+            "rank trains with buffers of its own (running statistics of its own shard) and a resume gives every "
+            "rank rank 0's, from its checkpoint: keep DDP's buffer sync on (a model that reads its buffers in "
+            "training then trains one function on every rank), or save and restore every rank's buffers")
 
 
 def _one_rng(ctx: CheckContext, k: int, n: int) -> str:
@@ -426,6 +447,14 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
                 "and restored (a second model such as an EMA or teacher copy, a second optimizer, or state an "
                 "optimizer keeps outside its state_dict, a module's tensors that are not registered buffers, a "
                 "generator of its own)")
+    if _read_alike(ctx):
+        return (f"what turns the drawn samples into the model's inputs is not restored: {head}{at} "
+                f"({worst.describe()}) although the resumed run reads the samples the uninterrupted run read after "
+                "the checkpoint (the same dataset indices, in order), with the RNG as it was at the checkpoint and "
+                "the same weights: the model is fed other inputs, so a transform between the sampler and the model "
+                "(mixup or cutmix in the loop, a dataset's augmentation, a collate) draws from state the checkpoint "
+                "does not restore: a generator of its own (a torch.Generator or numpy Generator, not the global "
+                "RNGs) or a schedule; save and restore it")
     remedy = "" if lightning is None else f"; {LIGHTNING_DATA_REMEDY[lightning.stateful_loader]}"
     return (f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
             f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
@@ -441,6 +470,24 @@ def _fed_alike(ctx: CheckContext) -> bool:
     before = ctx.recordings["until-checkpoint"].micro_batches
     mine = full is not None and again is not None and bool(again) and full[before:] == again
     return all(all_gather(mine))
+
+
+def _read_alike(ctx: CheckContext) -> bool:
+    """Whether, on every rank, the resume with the checkpoint's RNG drew the dataset indices the
+    uninterrupted fit drew after the checkpoint, in order (its last micro-batches' worth: a loader
+    that skips to its position may draw and drop the batches before it); False where the batches
+    are not lists of indices."""
+    full, again = (_drawn(ctx.recordings[label]) for label in ("uninterrupted", "resumed-same-rng"))
+    before = ctx.recordings["until-checkpoint"].micro_batches
+    resumed = ctx.recordings["resumed-same-rng"].micro_batches
+    mine = (full is not None and again is not None and 0 < resumed <= len(again)
+            and full[before:before + resumed] == again[-resumed:])
+    return all(all_gather(mine))
+
+
+def _drawn(record: Any) -> list[list[int]] | None:
+    passes = record.training_passes()
+    return [batch for p in passes for batch in p.batches] if passes and all(p.indexed for p in passes) else None
 
 
 def _fed(record: Any) -> list[str] | None:

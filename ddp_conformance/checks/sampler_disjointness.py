@@ -2,7 +2,7 @@
 
 The indices come from the fit itself (`observe.FitRecorder` records what each rank's training
 loader drew), never from a restatement: a loop that forgets `set_epoch` fails here even when the
-adapter's `make_loader` calls it. The fit runs long enough to finish two epochs: a one-step probe
+adapter's `make_loader` calls it. The fit runs long enough to finish three epochs: a one-step probe
 fit first measures the training loader's length and the micro-batches per optimizer step
 (`progress.probe_epoch_steps`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
@@ -26,9 +26,12 @@ from ..adapter import NotProvided
 from . import schemes
 from .base import CheckContext, all_gather, hide_on_verdict
 from .progress import guarded_fit, probe_epoch_steps
-from .sampling import analyse
+from .sampling import analyse, analyse_started_epoch
 
-EPOCHS = (0, 1)
+#: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
+#: second stage, progressive resizing) or tells the sampler the epoch only some of the time
+#: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
+EPOCHS = (0, 1, 2)
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
@@ -45,27 +48,62 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if epoch is None:
         pytest.skip("fit(1) drew its batches through no DataLoader with a length (batches made by hand, e.g. "
                     "torch.randint, or an unsized iterable): there are no epochs or sample indices to judge")
-    steps = len(EPOCHS) * epoch + 1  # into a third epoch, so the first two are complete
-    guarded_fit(ctx, "two-epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
-    passes = ctx.recordings["two-epochs"].training_passes()
-    if min(all_gather(len(passes))) < len(EPOCHS) + 1:
-        pytest.skip(f"fit({steps}) did not finish {len(EPOCHS)} epochs of its training loader (it started "
-                    f"{len(passes)} passes over it): the order across epochs cannot be judged")
-    complete = passes[: len(EPOCHS)]
+    steps = len(EPOCHS) * epoch + 1  # one step into the next epoch, so the judged ones are complete
+    guarded_fit(ctx, "epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
+    passes = ctx.recordings["epochs"].training_passes()
+    started = min(all_gather(len(passes)))
+    if started < 3:
+        pytest.skip(f"fit({steps}) did not finish 2 epochs of its training loader (it started {len(passes)} passes "
+                    "over it): the order across epochs cannot be judged")
+    # the last pass started may be cut short; an epoch longer than the first ones (a loader rebuilt
+    # mid-run) leaves fewer complete ones, and what it drew so far is judged as a started epoch
+    judged = min(started - 1, len(EPOCHS))
+    complete, later = passes[:judged], passes[judged:started]
     # the scheme is chosen from every rank's passes, so that all ranks make the same collectives
     indexed, replacement = (all(flags) for flags in zip(*all_gather((all(p.indexed for p in complete),
                                                                       _draws_with_replacement(complete[0]))),
                                                          strict=True))
     if not indexed:
-        return _judge_unindexed(ctx, complete)
-    if replacement:
-        return schemes.judge_with_replacement(ctx, complete)
-    size = complete[0].dataset_size
-    assert size is not None  # a map-style dataset: it has indices
-    figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete), complete[0].sampler)
-    figures.update(indices_from="the fit", scheme="partition")
-    _cross_check(ctx, [p.batches for p in complete], figures)
+        figures = _judge_unindexed(ctx, complete)
+    elif replacement:
+        figures = schemes.judge_with_replacement(ctx, complete)
+    else:
+        size = complete[0].dataset_size
+        assert size is not None  # a map-style dataset: it has indices
+        figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete), complete[0].sampler,
+                         complete[0].tail)
+        figures.update(indices_from="the fit", scheme="partition")
+        _cross_check(ctx, [p.batches for p in complete], figures)
+    _judge_started(ctx, later, judged, replacement, figures)
     return figures
+
+
+def _judge_started(ctx: CheckContext, later: list[Any], first: int, replacement: bool,
+                   figures: dict[str, Any]) -> None:
+    """The passes after the complete ones (`later`, from epoch `first`), as far as the fit drew them:
+    no two ranks may be fed the same samples there either, whatever loader the fit built for them."""
+    __tracebackhide__ = hide_on_verdict
+    mine = [(p.dataset_size, p.sampler, [i for b in p.batches for i in b] if p.indexed else None, p.inputs)
+            for p in later]
+    everyone = all_gather(mine)
+    judged = {key: value for key, value in figures.items() if key != "summary"}  # the complete epochs' summary
+    for offset in range(min(map(len, everyone))):
+        epoch = first + offset
+        size, sampler, _, _ = everyone[0][offset]
+        drawn = [ranks[offset][2] for ranks in everyone]
+        inputs = [ranks[offset][3] for ranks in everyone]
+        if all(d is not None for d in drawn) and size is not None and not replacement:
+            verdict = analyse_started_epoch(drawn, size, epoch, sampler)
+            if not verdict.ok:
+                raise ctx.fail(verdict.diagnosis, **{**judged, **verdict.figures})
+        elif None not in (digest for fed in inputs for digest in fed):
+            shared = schemes.shared_batch(inputs)
+            if shared:
+                (one, other), position = shared
+                raise ctx.fail(f"ranks {one} and {other} train on the same batch in epoch {epoch} (batch {position} "
+                               f"of rank {other}, inputs identical; {sampler}): from epoch {epoch} the fit's batches "
+                               "are not sharded by rank (a loader rebuilt mid-run without its DistributedSampler?)",
+                               **judged)
 
 
 def _draws_with_replacement(first: Any) -> bool:
@@ -84,11 +122,11 @@ def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
 
 
 def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool,
-           sampler: str = "DistributedSampler") -> dict[str, Any]:
+           sampler: str = "DistributedSampler", tail: int = 0) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     gathered = all_gather(mine)
-    epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(EPOCHS))]
-    verdict = analyse(epochs, size, shuffle, sampler)
+    epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(mine))]
+    verdict = analyse(epochs, size, shuffle, sampler, max(all_gather(tail)))
     figures = dict(verdict.figures)
     if not shuffle:
         ctx.note("the loader does not shuffle: the order across epochs is not judged")
@@ -119,7 +157,7 @@ def _cross_check(ctx: CheckContext, fit: list[list[list[int]]], figures: dict[st
     judges something that never runs."""
     __tracebackhide__ = hide_on_verdict
     helper = _helper_epochs(ctx)
-    mismatch = None if helper is None else _first_difference(helper, fit)
+    mismatch = None if helper is None else _first_difference(helper[:len(fit)], fit)
     mismatches = all_gather(mismatch)
     figures["helper_agrees"] = None if helper is None else not any(mismatches)
     wrong = [(rank, m) for rank, m in enumerate(mismatches) if m]

@@ -50,8 +50,10 @@ def _sample(values: Sequence[int], limit: int = 5) -> str:
     return shown + (", ..." if len(values) > limit else "")
 
 
-def analyse_epoch(ranks: Sequence[Batches], dataset_size: int) -> SamplingVerdict:
-    """One epoch: disjointness (up to padding), coverage (up to the dropped tail), equal batches."""
+def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0) -> SamplingVerdict:
+    """One epoch: disjointness (up to padding), coverage (up to the dropped tail), equal batches.
+    `tail`: the samples the loader itself leaves out at the end of each rank's share
+    (`DataLoader(drop_last=True)`: its last, incomplete batch), which no rank draws."""
     world = len(ranks)
     seqs = [_flat(b) for b in ranks]
     counts = [len(s) for s in seqs]
@@ -73,14 +75,18 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int) -> SamplingVerdic
     if all(c == 0 for c in counts):
         return SamplingVerdict(False, f"no rank receives any sample (dataset of {n}, world size {world}): "
                                       "the loaders are empty", figures)
-    valid_padded = missing == 0 and all(c == padded for c in counts)
-    valid_dropped = duplicates == 0 and all(c == dropped for c in counts)
+    padding = padded * world - n
+    # a share with its loader's tail left out: any padding repeats may be in that tail
+    valid_padded = duplicates <= padding and all(c == padded - tail for c in counts)
+    valid_dropped = duplicates == 0 and all(c == dropped - tail for c in counts)
+    if tail:
+        figures["loader_drops_per_rank"] = tail
     if valid_padded or valid_dropped:
         figures["mode"] = "padded" if valid_padded and duplicates else ("drop_last" if missing else "exact")
         figures["overlap_beyond_padding"] = 0
     else:
-        figures["overlap_beyond_padding"] = max(0, duplicates - (padded * world - n))
-        return SamplingVerdict(False, _diagnose_partition(seqs, n, world), figures)
+        figures["overlap_beyond_padding"] = max(0, duplicates - padding)
+        return SamplingVerdict(False, _diagnose_partition(seqs, n, world, tail), figures)
     if len(set(batches)) > 1:
         low, high = min(batches), max(batches)
         return SamplingVerdict(False, f"{ranks_label([r for r, b in enumerate(batches) if b == low])} get {low} "
@@ -90,7 +96,7 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int) -> SamplingVerdic
     return SamplingVerdict(True, "", figures)
 
 
-def _diagnose_partition(seqs: list[list[int]], n: int, world: int) -> str:
+def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0) -> str:
     """Name the cause of a partition that is neither padded nor drop_last DistributedSampler output."""
     full = set(range(n))
     for r in range(world):
@@ -115,10 +121,10 @@ def _diagnose_partition(seqs: list[list[int]], n: int, world: int) -> str:
                 f"{padding} (ranks {r} and {s} share {shared}): the ranks shuffle with different permutations (a "
                 "sampler seed that differs per rank? DistributedSampler's shares are disjoint only when every rank "
                 "uses the same seed)")
-    if len(missing) > n % world:
+    if len(missing) > n % world + world * tail:
         return (f"{len(missing)} of {n} samples reach no rank (e.g. {_sample(missing)}), more than a dropped tail "
-                f"({n % world}), with {max(counts)} samples per rank at most instead of {math.ceil(n / world)}: the "
-                "sampler's num_replicas/rank do not match the process group")
+                f"({n % world + world * tail}), with {max(counts)} samples per rank at most instead of "
+                f"{math.ceil(n / world) - tail}: the sampler's num_replicas/rank do not match the process group")
     if len(set(counts)) > 1:
         return (f"the ranks get different numbers of samples ({counts}): DistributedSampler gives every rank "
                 f"{math.ceil(n / world)} (padded) or {n // world} (drop_last)")
@@ -138,13 +144,80 @@ def _unshuffled(seqs: list[list[int]], n: int) -> bool:
     return strided or flat == sorted(flat)
 
 
+def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epoch: int,
+                          sampler: str = "DistributedSampler") -> SamplingVerdict:
+    """An epoch the fit started but may not have finished (`ranks`: what each rank drew of it so
+    far): whatever the ranks drew must still be disjoint, apart from DistributedSampler's padding.
+    A partition's shares stay disjoint in any prefix, and padding (at most R - 1 repeats) comes only
+    at their ends, so only overlap beyond it is a fault: the ranks draw from a loader that is not
+    sharded by rank."""
+    world, n = len(ranks), dataset_size
+    seqs = [[int(i) for i in seq] for seq in ranks]
+    figures: dict[str, Any] = {"started_epoch": epoch, "drawn_per_rank": [len(seq) for seq in seqs]}
+    outside = [(rank, i) for rank, seq in enumerate(seqs) for i in seq if not 0 <= i < n]
+    if outside:
+        rank, index = outside[0]
+        return SamplingVerdict(False, f"rank {rank} receives index {index} outside the dataset of {n} samples in epoch "
+                                      f"{epoch}: the loader does not index the trainer's dataset", figures)
+    repeats = sum(map(len, seqs)) - len(set().union(*map(set, seqs)))
+    padding = math.ceil(n / world) * world - n if world else 0
+    figures["overlap_beyond_padding"] = max(0, repeats - padding)
+    if repeats <= padding:
+        return SamplingVerdict(True, "", figures)
+    unsharded = "" if sampler == "DistributedSampler" else "no DistributedSampler: "
+    for r in range(world):
+        for other in range(r + 1, world):
+            shared = min(len(seqs[r]), len(seqs[other]))
+            if shared and seqs[r][:shared] == seqs[other][:shared]:
+                return SamplingVerdict(False, (
+                    f"ranks {r} and {other} receive identical samples in epoch {epoch} (the first {shared} of each, "
+                    f"{sampler}): {unsharded}from epoch {epoch} the fit trains every rank on the same data (a loader "
+                    "rebuilt mid-run without sharding it by rank?)"), figures)
+    return SamplingVerdict(False, (
+        f"the ranks' samples overlap in epoch {epoch}: {repeats} repeats among the {sum(map(len, seqs))} drawn so far, "
+        f"where DistributedSampler's padding allows at most {padding} ({sampler}): {unsharded}from epoch {epoch} the "
+        "ranks' shares are not a partition of the dataset (a loader rebuilt mid-run without sharding it by rank?)"),
+        figures)
+
+
+def replayed_epoch(per_rank: Sequence[Sequence[Any]]) -> tuple[int, int] | None:
+    """The first (epoch, earlier epoch) in which every rank replays what it drew in that earlier
+    epoch, in the same order (`per_rank[rank][epoch]`: a rank's draws, comparable with ==); None
+    when every epoch is new. Every rank must replay, as a sampler that is never told the epoch
+    makes them: one rank's short share may repeat by chance."""
+    epochs = min((len(draws) for draws in per_rank), default=0)
+    for epoch in range(1, epochs):
+        for earlier in range(epoch):
+            if all(draws[epoch] == draws[earlier] for draws in per_rank):
+                return epoch, earlier
+    return None
+
+
+def _replay_diagnosis(replay: tuple[int, int], always: bool, per_rank: list[list[list[int]]], size: int,
+                      sampler: str) -> str:
+    """Why the ranks replay an earlier epoch: `always` when every epoch is the first one again."""
+    epoch, earlier = replay
+    epochs = len(per_rank[0])
+    if always:
+        if _unshuffled([orders[0] for orders in per_rank], size):
+            return ("the loader does not shuffle although data.shuffle is true: every rank reads its samples in "
+                    f"index order in all {epochs} epochs")
+        cause = ("DistributedSampler.set_epoch(epoch) is never called" if sampler == "DistributedSampler"
+                 else f"{sampler} is never told the epoch (set_epoch(epoch)), or shuffles with a seed without it")
+        return (f"the order is the same every epoch ({epochs} epochs, every rank): {cause}, so each epoch reuses "
+                "the first epoch's shuffle")
+    return (f"epoch {epoch} replays epoch {earlier}'s order on every rank, while other epochs reshuffle: the sampler "
+            f"({sampler}) is not given every epoch's number (set_epoch(epoch) with the epoch itself, before each "
+            "epoch), so some epochs repeat an earlier shuffle")
+
+
 def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: bool,
-            sampler: str = "DistributedSampler") -> SamplingVerdict:
+            sampler: str = "DistributedSampler", tail: int = 0) -> SamplingVerdict:
     """Every epoch's partition, then the order across epochs when shuffling (`sampler`: the name of
-    what orders the samples, for the advice)."""
+    what orders the samples, for the advice; `tail`: what the loader drops of each rank's share)."""
     figures: dict[str, Any] = {"dataset_size": dataset_size, "epochs": len(epochs)}
     for epoch, ranks in enumerate(epochs):
-        verdict = analyse_epoch(ranks, dataset_size)
+        verdict = analyse_epoch(ranks, dataset_size, tail)
         figures.update(verdict.figures)
         if not verdict.ok:
             return SamplingVerdict(False, f"{verdict.diagnosis} (epoch {epoch})", figures)
@@ -153,17 +226,10 @@ def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: boo
         per_rank = [[_flat(epoch[r]) for epoch in epochs] for r in range(len(epochs[0]))]
         judged = [orders for orders in per_rank if len(orders[0]) >= 2]
         if sum(len(orders[0]) for orders in judged) >= ORDER_MIN_SIZE:
-            same = all(all(o == orders[0] for o in orders) for orders in judged)
-            figures["order_changes"] = not same
-            if same:
-                if _unshuffled([orders[0] for orders in per_rank], dataset_size):
-                    return SamplingVerdict(False, "the loader does not shuffle although data.shuffle is true: "
-                                                  f"every rank reads its samples in index order in all {len(epochs)} "
-                                                  "epochs", figures)
-                cause = ("DistributedSampler.set_epoch(epoch) is never called" if sampler == "DistributedSampler"
-                         else f"{sampler} is never told the epoch (set_epoch(epoch)), or shuffles with a seed "
-                              "without it")
-                return SamplingVerdict(False, f"the order is the same every epoch ({len(epochs)} epochs, every "
-                                              f"rank): {cause}, so each epoch reuses the first epoch's shuffle",
+            replay = replayed_epoch([[tuple(order) for order in orders] for orders in judged])
+            figures["order_changes"] = replay is None
+            if replay is not None:
+                always = all(all(order == orders[0] for order in orders) for orders in judged)
+                return SamplingVerdict(False, _replay_diagnosis(replay, always, per_rank, dataset_size, sampler),
                                        figures)
     return SamplingVerdict(True, "", figures)

@@ -21,6 +21,7 @@ from typing import Any
 
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import LoaderPass
+from .sampling import replayed_epoch
 
 
 def judge_with_replacement(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any]:
@@ -30,22 +31,26 @@ def judge_with_replacement(ctx: CheckContext, passes: list[LoaderPass]) -> dict[
     everyone = all_gather(mine)
     figures: dict[str, Any] = {"scheme": "independent draws with replacement", "indices_from": "the fit",
                                "dataset_size": size, "samples_per_rank": [len(r[0]) for r in everyone]}
-    outside = [(rank, i) for rank, draws in enumerate(everyone) for i in draws[0] if not 0 <= i < size]
+    outside = [(rank, i) for rank, draws in enumerate(everyone) for epoch in draws for i in epoch
+               if not 0 <= i < size]
     if outside:
         rank, index = outside[0]
         raise ctx.fail(f"rank {rank} draws index {index} outside the dataset of {size} samples: the sampler does "
                        "not index the trainer's dataset", **figures)
-    first = [draws[0] for draws in everyone]
-    if ctx.world_size > 1 and all(draws == first[0] for draws in first):
-        raise ctx.fail(f"every rank draws the same {len(first[0])} samples in epoch 0 ({passes[0].sampler} with "
-                       "replacement): each rank's sampler needs its own seed (seed + rank), or every rank trains "
-                       "on the same batches", **figures)
-    repeated = [rank for rank, draws in enumerate(everyone) if len(draws) > 1 and draws[0] == draws[1]]
+    for epoch in range(min(len(draws) for draws in everyone)):
+        drawn = [draws[epoch] for draws in everyone]
+        if ctx.world_size > 1 and all(d == drawn[0] for d in drawn):
+            raise ctx.fail(f"every rank draws the same {len(drawn[0])} samples in epoch {epoch} "
+                           f"({passes[epoch].sampler} with replacement): each rank's sampler needs its own seed "
+                           "(seed + rank), or every rank trains on the same batches", **figures)
+    replays = [(rank, replayed_epoch([draws])) for rank, draws in enumerate(everyone)]
+    repeated = [(rank, replay) for rank, replay in replays if replay is not None]
     figures["draws_change_between_epochs"] = not repeated
     if repeated:
-        raise ctx.fail(f"rank {repeated[0]} draws the same samples in epoch 0 and epoch 1 ({passes[0].sampler} with "
-                       "replacement): its generator restarts from the same seed every epoch (seed it with the "
-                       "epoch too), so the model sees one fixed subset", **figures)
+        rank, (epoch, earlier) = repeated[0]
+        raise ctx.fail(f"rank {rank} draws the same samples in epoch {earlier} and epoch {epoch} ({passes[0].sampler} "
+                       "with replacement): its generator restarts from the same seed (seed it with the epoch too), "
+                       "so the model sees one fixed subset", **figures)
     figures["summary"] = "independent draws, ok"
     return figures
 
@@ -91,7 +96,7 @@ def inputs_verdict(everyone: list[list[list[str]]], shuffle: bool, sampler: str)
     figures: dict[str, Any] = {"indices_from": "the fit's inputs",
                                "batches_seen_per_rank": [len(r[0]) for r in everyone]}
     for epoch in range(min(len(epochs) for epochs in everyone)):
-        shared = _shared_batch([epochs[epoch] for epochs in everyone])
+        shared = shared_batch([epochs[epoch] for epochs in everyone])
         if shared:
             (first, second), position = shared
             return figures, (
@@ -99,18 +104,21 @@ def inputs_verdict(everyone: list[list[list[str]]], shuffle: bool, sampler: str)
                 f"{second}, inputs identical): the batches ({sampler}) are not sharded by rank, so the ranks train "
                 "on the same samples (give each rank its own share, e.g. indices[rank::world_size], or a "
                 "DistributedSampler under a BatchSampler)")
-    judged = [epochs for epochs in everyone if len(epochs) > 1 and len(epochs[0]) >= ORDER_MIN_BATCHES]
-    replayed = [rank for rank, epochs in enumerate(everyone) if epochs in judged and epochs[0] == epochs[1]]
+    judged = [(rank, epochs) for rank, epochs in enumerate(everyone)
+              if len(epochs) > 1 and len(epochs[0]) >= ORDER_MIN_BATCHES]
+    replays = [(rank, replayed_epoch([epochs])) for rank, epochs in judged]
+    replayed = [(rank, replay) for rank, replay in replays if replay is not None]
     figures["order_changes"] = not replayed if shuffle and judged else None
     if shuffle and replayed:
-        return figures, (f"rank {replayed[0]} trains on the same batches in the same order in epoch 0 and epoch 1 "
-                         f"({sampler}): the shuffle does not change between epochs (pass the epoch to the sampler, "
-                         "e.g. set_epoch(epoch), before each epoch)")
+        rank, (epoch, earlier) = replayed[0]
+        return figures, (f"rank {rank} trains on the same batches in the same order in epoch {earlier} and epoch "
+                         f"{epoch} ({sampler}): the shuffle does not change between epochs (pass the epoch to the "
+                         "sampler, e.g. set_epoch(epoch), before each epoch)")
     figures["summary"] = "inputs differ by rank"
     return figures, ""
 
 
-def _shared_batch(batches: list[list[str]]) -> tuple[tuple[int, int], int] | None:
+def shared_batch(batches: list[list[str]]) -> tuple[tuple[int, int], int] | None:
     """The first pair of ranks fed one identical batch in an epoch (`batches`: each rank's input
     digests), and its position in the second rank's epoch; None when every batch is its rank's own.
     A rank's last batch is left out where it has others: padding to equal lengths (as

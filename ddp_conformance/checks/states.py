@@ -106,6 +106,14 @@ def parameters(params: dict[str, Any], names: list[str] | None = None) -> dict[s
     return {k: v for k, v in stripped.items() if not k.endswith(BUFFER_SUFFIXES)}
 
 
+def buffers(params: dict[str, Any], names: list[str] | None = None) -> dict[str, Any]:
+    """The buffers of a state dict (`names`: the model's buffer names, where known; else those named
+    as BatchNorm's are), without DDP's `module.`."""
+    stripped = {k.removeprefix("module."): v for k, v in params.items()}
+    known = set(names or ())
+    return {k: v for k, v in stripped.items() if k in known or k.endswith(BUFFER_SUFFIXES)}
+
+
 OUTSIDE = "outside the model: "  # names the tensors an optimizer stepped that the model does not hold
 
 

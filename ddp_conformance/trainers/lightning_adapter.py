@@ -65,7 +65,7 @@ from ..runner import fault_handlers
 from .spec import LightningParts
 from .torch_ref import cpu_copy, seeded
 
-PROBE_EPOCHS = 2  # sampler_disjointness reads epochs 0 and 1
+PROBE_EPOCHS = 3  # sampler_disjointness reads epochs 0, 1 and 2
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
 _NOISE = (
     r".*does not have many workers.*",

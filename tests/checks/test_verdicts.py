@@ -186,6 +186,9 @@ def test_batches_without_indices_are_judged_by_what_each_rank_was_fed():
     assert "rank 0 trains on the same batches in the same order in epoch 0 and epoch 1" in inputs_verdict(
         replayed, True, "Mine")[1]
     assert inputs_verdict(replayed, False, "Mine")[1] == ""  # a loader that does not shuffle may replay
+    every_other = [[mine, mine[::-1], mine], [theirs, theirs[::-1], theirs[1:] + theirs[:1]]]
+    assert "rank 0 trains on the same batches in the same order in epoch 0 and epoch 2" in inputs_verdict(
+        every_other, True, "Mine")[1]
     few = [[mine[:3], mine[:3]], [theirs[:3], theirs[:3]]]  # 3 fixed batches replay by chance 1 time in 6
     assert inputs_verdict(few, True, "Mine") == (dict(figures, batches_seen_per_rank=[3, 3], order_changes=None), "")
 
@@ -244,7 +247,8 @@ def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restor
     from ddp_conformance.checks.resume_fidelity import BUFFERS_LOST, _rank_buffers
 
     assert _rank_buffers(["", f"{BUFFERS_LOST}: after ..."]).startswith(
-        f"{BUFFERS_LOST} on rank 1, while rank 0's are: the ranks keep buffers of their own (broadcast_buffers=False)")
+        f"{BUFFERS_LOST} on rank 1, while rank 0's are: the ranks keep buffers of their own "
+        "(forward_sync_buffers=False")
     assert _rank_buffers([f"{BUFFERS_LOST}: x", f"{BUFFERS_LOST}: y"]) == ""  # every rank: the checkpoint's fault
     assert _rank_buffers(["", ""]) == ""
 
