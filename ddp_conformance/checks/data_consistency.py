@@ -86,8 +86,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         rank, where = bad[0], differing[bad[0]]
         others = f"; ranks {', '.join(map(str, bad))} all differ" if len(bad) > 1 else ""
         raise ctx.fail(f"rank {rank}'s dataset differs from rank 0's at index {where[0]} ({len(where)} of "
-                       f"{len(stable)} sampled items differ{others}): is the data generated without a seed? Every "
-                       "torchrun process starts from its own RNG seeds, so each rank trains on its own private data; "
-                       "build it from a seeded torch.Generator, or load it", **figures)
+                       f"{len(stable)} sampled items differ{others}): is the data generated without a seed, or "
+                       "ordered by a set of strings or by hash()? Every torchrun process starts from its own RNG "
+                       "seeds and its own str hash secret, so each rank trains on its own private data; build it "
+                       "from a seeded torch.Generator (or load it), and order names with sorted(), not set()",
+                       **figures)
     figures["summary"] = f"{len(stable)} sampled items identical"
     return figures

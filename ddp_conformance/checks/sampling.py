@@ -120,7 +120,7 @@ def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0
         return (f"the ranks' samples overlap: {repeats} repeats where DistributedSampler's padding allows at most "
                 f"{padding} (ranks {r} and {s} share {shared}): the ranks shuffle with different permutations (a "
                 "sampler seed that differs per rank? DistributedSampler's shares are disjoint only when every rank "
-                "uses the same seed)")
+                "uses the same seed), or choose their shares by hash() of names, which differs per process")
     if len(missing) > n % world + world * tail:
         return (f"{len(missing)} of {n} samples reach no rank (e.g. {_sample(missing)}), more than a dropped tail "
                 f"({n % world + world * tail}), with {max(counts)} samples per rank at most instead of "

@@ -32,11 +32,10 @@ PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", 
 WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
 
 
-class Zygote:
-    """The pool's side of the fork server: start it, ask it for ranks, learn how they ended."""
+class _Server:
+    """One fork-server process: start it, ask it for ranks, learn how they ended."""
 
-    def __init__(self, start_timeout: float, preload: tuple[str, ...] = ()) -> None:
-        """`preload`: modules imported, after PRELOAD, before it says it is ready (`DdpTest.preload`)."""
+    def __init__(self, start_timeout: float, preload: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, DDP_CONFORMANCE_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
         # its own words (an import error, say) go to a private log, read back when it fails to start,
@@ -54,7 +53,6 @@ class Zygote:
         self.exits: dict[int, int] = {}
         self.start_timeout = start_timeout
         self.ready = False  # it imports torch while pytest goes on; the first fork waits for it
-        self.warming = False
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -96,33 +94,89 @@ class Zygote:
             raise OSError("the rank zygote is gone") from None
 
     def warm_up(self) -> None:
-        """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""
-        if not self.warming:
-            self.warming = True
-            with contextlib.suppress(OSError):
-                send(self.conn, WarmUp())
+        with contextlib.suppress(OSError):
+            send(self.conn, WarmUp())
 
     def _note(self, message: object) -> None:
         if isinstance(message, Exited):
             self.exits[message.pid] = os.waitstatus_to_exitcode(message.status)
 
     def returncode(self, pid: int) -> int | None:
-        """The exit code of a forked rank (negative: killed by that signal), once reaped."""
         with contextlib.suppress(EOFError, OSError):
             while pid not in self.exits and self.conn.poll(0):
                 self._note(receive(self.conn))
         return self.exits.get(pid)
 
     def close(self) -> None:
-        """Kill it: it holds nothing worth a goodbye (its pools are stopped first), and asking it to
-        leave cost a session seconds (it hears only between its idle-time imports, and a Python
-        that has imported torch takes 1-3 s to tear itself down)."""
         with contextlib.suppress(OSError):
             self.conn.close()
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+class Zygote:
+    """The pool's side of the fork servers: two processes, rank 0 forked from one and every other rank
+    from the other.
+
+    Forked ranks share their server's str hash secret, which Python picks per interpreter: ranks
+    forked from one process would all iterate a set of strings in one order and agree on every
+    `hash(name)`, where torchrun's ranks, separate interpreters, do not. A vocabulary built from
+    `set(label_names)`, or files sharded by `hash(path) % world_size`, would then look consistent
+    here and differ per rank in production. Two servers give rank 0 and the others different
+    secrets (the same one where the user sets PYTHONHASHSEED, as torchrun's ranks would inherit it);
+    both import torch at once, on a machine's two cores."""
+
+    def __init__(self, start_timeout: float, preload: tuple[str, ...] = ()) -> None:
+        """`preload`: modules imported, after PRELOAD, before it says it is ready (`DdpTest.preload`)."""
+        self.servers: list[_Server] = []
+        try:
+            for _ in range(2):
+                self.servers.append(_Server(start_timeout, preload))
+        except BaseException:
+            self.close()
+            raise
+        self._server_of: dict[int, _Server] = {}
+        self.warming = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [server.popen.pid for server in self.servers]
+
+    def wait_ready(self) -> None:
+        for server in self.servers:
+            server.wait_ready()
+
+    @property
+    def alive(self) -> bool:
+        return all(server.alive for server in self.servers)
+
+    def fork(self, env: dict[str, str], log_path: str) -> int:
+        """A rank with this environment: from the first server for rank 0, from the second for the rest."""
+        server = self.servers[0 if env.get("RANK", "0") == "0" else 1]
+        pid = server.fork(env, log_path)
+        self._server_of[pid] = server
+        return pid
+
+    def warm_up(self) -> None:
+        """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""
+        if not self.warming:
+            self.warming = True
+            for server in self.servers:
+                server.warm_up()
+
+    def returncode(self, pid: int) -> int | None:
+        """The exit code of a forked rank (negative: killed by that signal), once reaped."""
+        server = self._server_of.get(pid)
+        return None if server is None else server.returncode(pid)
+
+    def close(self) -> None:
+        """Kill them: they hold nothing worth a goodbye (their pools are stopped first), and asking one
+        to leave cost a session seconds (it hears only between its idle-time imports, and a Python
+        that has imported torch takes 1-3 s to tear itself down)."""
+        for server in self.servers:
+            server.close()
 
 
 class ForkedRank:

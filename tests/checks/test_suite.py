@@ -77,6 +77,7 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:
         command += ["--ddp-trainer", spec]
     env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONHASHSEED", None)  # the hash mutants need each interpreter's own secret, as under torchrun
     proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=600)  # a hang, not a slow host
     assert report.is_file(), f"no report; pytest said:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

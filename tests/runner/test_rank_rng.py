@@ -101,3 +101,31 @@ def test_this_torch_is_recognised_as_cpu_only_exactly_when_it_has_no_accelerator
 
     assert _cpu_only_torch() is (not torch.backends.cuda.is_built() and not torch.backends.mps.is_built()
                                  and not torch.xpu._is_compiled() and not torch.mtia._is_compiled())
+
+
+HASHES = """
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.ddp(world_size=3)
+def test_hashes(ddp):
+    hashes = [None] * ddp.world_size
+    dist.all_gather_object(hashes, (hash("label_7"), list({"a", "b", "c", "d", "e", "f", "g", "h"})))
+    if ddp.rank == 0:
+        print("HASHES", hashes)
+        assert {HOW} hashes[0] != hashes[1], hashes
+"""
+
+
+@pytest.mark.parametrize("hash_seed", [None, "0"])
+def test_rank_zero_hashes_strings_as_another_interpreter_unless_pythonhashseed_is_set(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, hash_seed: str | None) -> None:
+    """torchrun's ranks are separate interpreters, each with its own str hash secret: a vocabulary built
+    from a set of label names, or a file list sharded by hash(), differs per rank there, and must here."""
+    if hash_seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", hash_seed)  # inherited by every rank, under torchrun too
+    pytester.makepyfile(HASHES.replace("{HOW}", "" if hash_seed is None else "not"))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
