@@ -430,10 +430,10 @@ def _new_pass(loader: Any) -> LoaderPass:
     return LoaderPass(length=length, dataset_size=size, sampler=type(sampler).__name__,
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
-                      iterable=isinstance(dataset, IterableDataset), tail=_dropped_tail(batch_sampler))
+                      iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler))
 
 
-def _dropped_tail(batch_sampler: Any) -> int:
+def dropped_tail(batch_sampler: Any) -> int:
     """What `DataLoader(drop_last=True)` leaves out of each epoch of its sampler: the last, incomplete
     batch. A sampler that cannot tell its length drops nothing this can know."""
     from torch.utils.data import BatchSampler

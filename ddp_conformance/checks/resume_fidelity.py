@@ -53,6 +53,7 @@ import pytest
 
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import CheckContext, all_gather, hide_on_verdict
+from .observe import unwrapped
 from .progress import guarded_fit, probe_epoch_steps
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .states import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
@@ -203,7 +204,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         weights = first.weights if all(all_gather(taken == k)) else None
         static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
         statics = all_gather(static)
-        verdict = (_rank_buffers(statics) or _unsynced_buffers(ctx, written, k, n)
+        verdict = (_rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n)
                    or next((v for v in statics if v), "") or _reseeded(ctx, k, n) or _one_rng(ctx, k, n))
         if not verdict:
             verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
@@ -267,11 +268,13 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
     record = ctx.recordings["until-checkpoint"]
-    buffer_names = [name for name, _ in record.model.named_buffers()] if record.model is not None else None
+    # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`
+    named = unwrapped(record.model).named_buffers() if record.model is not None else ()
+    buffer_names = [name.removeprefix("_forward_module.") for name, _ in named]
     written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
                           digest(parameters(part.params)), record.outside_digests(),
-                          digest(buffers(part.params, buffer_names))))
+                          digest(buffers(part.params, buffer_names)), buffer_names))
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1 or drifted([w[3] for w in written])[0]:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
@@ -336,16 +339,22 @@ def _rank_buffers(statics: list[str]) -> str:
             "checkpoint (save every rank's buffers, or keep them in step with DDP's buffer sync)")
 
 
-def _unsynced_buffers(ctx: CheckContext, written: list[Any], k: int, n: int) -> str:
-    """The ranks' buffers differ at the checkpoint and DDP does not sync them in its forward: each
-    rank trains with buffers of its own (a running normaliser read in training then normalises each
-    rank's inputs differently, while the averaged gradients keep the parameters identical), and a
-    resume hands every rank rank 0's. With the sync on, buffers that differ after the last forward's
-    local update (BatchNorm's) are synced again by the next forward: no fault."""
+def _unsynced_buffers(ctx: CheckContext, written: list[Any], found: list[Difference], k: int, n: int) -> str:
+    """The ranks' buffers differ at the checkpoint, DDP does not sync them in its forward, and a
+    resumed rank's buffers differ from the uninterrupted run's: each rank trains with buffers of its
+    own (a running normaliser read in training then normalises each rank's inputs differently, while
+    the averaged gradients keep the parameters identical), and a resume hands every rank rank 0's.
+    With the sync on, buffers that differ after the last forward's local update (BatchNorm's) are
+    synced again by the next forward: no fault. Collective."""
     settings = ctx.recordings["uninterrupted"].ddp or {}
     synced = next((settings[key] for key in ("forward_sync_buffers", "broadcast_buffers")
                    if settings.get(key) is not None), None)
-    if synced is not False or len({w[4] for w in written}) < 2:
+    names = set(written[ctx.rank][5])
+    differs = any(d.part == "params" and (d.key.removeprefix("module.") in names or d.key.endswith(BUFFER_SUFFIXES))
+                  for d in found)
+    gathered = all_gather((synced is False, differs))
+    unsynced = all(off for off, _ in gathered) and len({w[4] for w in written}) > 1
+    if not unsynced or not any(lost for _, lost in gathered):
         return ""
     return (f"the ranks' buffers differ at the checkpoint, and DDP does not sync them in its forward "
             f"(forward_sync_buffers=False; broadcast_buffers=False before torch 2.13): {_head(k, n)}, since every "
@@ -475,12 +484,15 @@ def _fed_alike(ctx: CheckContext) -> bool:
 def _read_alike(ctx: CheckContext) -> bool:
     """Whether, on every rank, the resume with the checkpoint's RNG drew the dataset indices the
     uninterrupted fit drew after the checkpoint, in order (its last micro-batches' worth: a loader
-    that skips to its position may draw and drop the batches before it); False where the batches
-    are not lists of indices."""
-    full, again = (_drawn(ctx.recordings[label]) for label in ("uninterrupted", "resumed-same-rng"))
+    that skips to its position may draw and drop the batches before it), while both fits' inputs
+    were digested (asked after `_fed_alike` said they differ: without digests nothing says so); False
+    where the batches are not lists of indices."""
+    labels = ("uninterrupted", "resumed-same-rng")
+    full, again = (_drawn(ctx.recordings[label]) for label in labels)
+    digested = all(_fed(ctx.recordings[label]) is not None for label in labels)
     before = ctx.recordings["until-checkpoint"].micro_batches
     resumed = ctx.recordings["resumed-same-rng"].micro_batches
-    mine = (full is not None and again is not None and 0 < resumed <= len(again)
+    mine = (digested and full is not None and again is not None and 0 < resumed <= len(again)
             and full[before:before + resumed] == again[-resumed:])
     return all(all_gather(mine))
 

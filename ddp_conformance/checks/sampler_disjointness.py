@@ -25,6 +25,7 @@ import pytest
 from ..adapter import NotProvided
 from . import schemes
 from .base import CheckContext, all_gather, hide_on_verdict
+from .observe import dropped_tail
 from .progress import guarded_fit, probe_epoch_steps
 from .sampling import analyse, analyse_started_epoch
 
@@ -55,9 +56,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if started < 3:
         pytest.skip(f"fit({steps}) did not finish 2 epochs of its training loader (it started {len(passes)} passes "
                     "over it): the order across epochs cannot be judged")
-    # the last pass started may be cut short; an epoch longer than the first ones (a loader rebuilt
-    # mid-run) leaves fewer complete ones, and what it drew so far is judged as a started epoch
-    judged = min(started - 1, len(EPOCHS))
+    # the last pass started may be cut short; a loader rebuilt mid-run (longer epochs, another dataset
+    # or sampler) ends the epochs judged in full, and what the ranks drew from it is judged as started
+    judged = _alike_from_the_first(passes[:min(started - 1, len(EPOCHS))])
     complete, later = passes[:judged], passes[judged:started]
     # the scheme is chosen from every rank's passes, so that all ranks make the same collectives
     indexed, replacement = (all(flags) for flags in zip(*all_gather((all(p.indexed for p in complete),
@@ -74,24 +75,36 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                          complete[0].tail)
         figures.update(indices_from="the fit", scheme="partition")
         _cross_check(ctx, [p.batches for p in complete], figures)
-    _judge_started(ctx, later, judged, replacement, figures)
+    _judge_started(ctx, later, judged, figures)
     return figures
 
 
-def _judge_started(ctx: CheckContext, later: list[Any], first: int, replacement: bool,
-                   figures: dict[str, Any]) -> None:
+def _alike_from_the_first(passes: list[Any]) -> int:
+    """How many of the passes, from the first, every rank drew alike: same dataset, sampler, scheme
+    and dropped tail (a pass whose loader was rebuilt otherwise is judged as a started epoch)."""
+    shapes = all_gather([_shape(p) for p in passes])
+    count = min(map(len, shapes))
+    return next((i for i in range(1, count) if any(shape[i] != shape[0] for shape in shapes)), count)
+
+
+def _shape(p: Any) -> tuple[Any, ...]:
+    return p.dataset_size, p.sampler, p.indexed, p.tail, _draws_with_replacement(p)
+
+
+def _judge_started(ctx: CheckContext, later: list[Any], first: int, figures: dict[str, Any]) -> None:
     """The passes after the complete ones (`later`, from epoch `first`), as far as the fit drew them:
     no two ranks may be fed the same samples there either, whatever loader the fit built for them."""
     __tracebackhide__ = hide_on_verdict
-    mine = [(p.dataset_size, p.sampler, [i for b in p.batches for i in b] if p.indexed else None, p.inputs)
-            for p in later]
+    mine = [(p.dataset_size, p.sampler, [i for b in p.batches for i in b] if p.indexed else None, p.inputs,
+             _draws_with_replacement(p)) for p in later]
     everyone = all_gather(mine)
     judged = {key: value for key, value in figures.items() if key != "summary"}  # the complete epochs' summary
     for offset in range(min(map(len, everyone))):
         epoch = first + offset
-        size, sampler, _, _ = everyone[0][offset]
+        size, sampler, _, _, _ = everyone[0][offset]
         drawn = [ranks[offset][2] for ranks in everyone]
         inputs = [ranks[offset][3] for ranks in everyone]
+        replacement = any(ranks[offset][4] for ranks in everyone)
         if all(d is not None for d in drawn) and size is not None and not replacement:
             verdict = analyse_started_epoch(drawn, size, epoch, sampler)
             if not verdict.ok:
@@ -130,6 +143,8 @@ def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: b
     figures = dict(verdict.figures)
     if not shuffle:
         ctx.note("the loader does not shuffle: the order across epochs is not judged")
+    elif len(mine) < 2:
+        ctx.note("the fit's loader changes after its first epoch: the order across epochs is not judged")
     elif figures.get("order_changes") is None:
         ctx.note("too few samples per epoch to judge the order across epochs")
     if not verdict.ok:
@@ -206,6 +221,13 @@ def _judge_from_helpers(ctx: CheckContext, why: str, helper: Any = None) -> dict
         pytest.skip(f"{why}, and the adapter provides no make_loader/batch_indices to read indices from")
     ctx.note(f"indices read from make_loader, not from the fit: {why}")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
-    figures = _judge(ctx, helper, size, ctx.config.data.shuffle)
+    figures = _judge(ctx, helper, size, ctx.config.data.shuffle, tail=_helper_tail(ctx))
     figures["indices_from"] = "make_loader"
     return figures
+
+
+def _helper_tail(ctx: CheckContext) -> int:
+    """What `make_loader`'s own DataLoader drops of this rank's share (`drop_last=True`), if it is one."""
+    adapter = ctx.adapter()
+    loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
+    return dropped_tail(getattr(loader, "batch_sampler", None))

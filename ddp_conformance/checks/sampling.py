@@ -181,10 +181,11 @@ def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epo
 
 
 def replayed_epoch(per_rank: Sequence[Sequence[Any]]) -> tuple[int, int] | None:
-    """The first (epoch, earlier epoch) in which every rank replays what it drew in that earlier
-    epoch, in the same order (`per_rank[rank][epoch]`: a rank's draws, comparable with ==); None
-    when every epoch is new. Every rank must replay, as a sampler that is never told the epoch
-    makes them: one rank's short share may repeat by chance."""
+    """The first (epoch, earlier epoch) in which every rank given replays what it drew in that
+    earlier epoch, in the same order (`per_rank[rank][epoch]`: a rank's draws, comparable with ==);
+    None when every epoch is new. A partition passes every rank, which a sampler never told the
+    epoch makes replay together (one rank's short share may repeat by chance); the schemes without
+    indices pass one rank at a time."""
     epochs = min((len(draws) for draws in per_rank), default=0)
     for epoch in range(1, epochs):
         for earlier in range(epoch):

@@ -26,7 +26,7 @@ from pathlib import Path
 from .handshake import DiedWhileStarting, Handshake, StartTimeout
 from .process import ProcessHandle, RankProcess, catches_signal
 from .protocol import FAILED, STACK_DUMP_SIGNAL, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
-from .zygote import ForkedRank, Zygote
+from .zygote import Zygote
 
 # After one rank has failed, how long the others get to answer before they count as stuck (typically
 # blocked in a collective the failed rank will never join). Long enough for a slow rank to finish its
@@ -201,7 +201,7 @@ class RankPool:
         env = self._environment(rank, store)
         handle: ProcessHandle
         if self.zygote is not None and self.zygote.alive:
-            handle = ForkedRank(self.zygote, self.zygote.fork(env, str(log_path)))
+            handle = self.zygote.fork(env, str(log_path))
         else:
             with open(log_path, "wb") as log:
                 handle = subprocess.Popen(

@@ -35,20 +35,29 @@ WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends
 class _Server:
     """One fork-server process: start it, ask it for ranks, learn how they ended."""
 
-    def __init__(self, start_timeout: float, preload: tuple[str, ...]) -> None:
+    def __init__(self, start_timeout: float, preload: tuple[str, ...], hash_seed: str | None) -> None:
+        """`hash_seed`: its PYTHONHASHSEED (None: the user's)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, DDP_CONFORMANCE_PARENT=str(os.getpid()), PYTHONUNBUFFERED="1")
+        if hash_seed is not None:
+            env["PYTHONHASHSEED"] = hash_seed
         # its own words (an import error, say) go to a private log, read back when it fails to start,
         # never onto pytest's terminal
         self.log_dir = tempfile.mkdtemp(prefix="ddp-conformance-zygote-")
         self.log_path = os.path.join(self.log_dir, "zygote.log")
-        with open(self.log_path, "wb") as log:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ddp_conformance.runner.zygote", str(theirs.fileno()), *preload],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
-            )
-        theirs.close()
+        try:
+            with open(self.log_path, "wb") as log:
+                self.popen = subprocess.Popen(
+                    [sys.executable, "-m", "ddp_conformance.runner.zygote", str(theirs.fileno()), *preload],
+                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=env, start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
+        finally:
+            theirs.close()
         self.conn = Connection(ours.detach())
         self.exits: dict[int, int] = {}
         self.start_timeout = start_timeout
@@ -123,21 +132,24 @@ class Zygote:
     Forked ranks share their server's str hash secret, which Python picks per interpreter: ranks
     forked from one process would all iterate a set of strings in one order and agree on every
     `hash(name)`, where torchrun's ranks, separate interpreters, do not. A vocabulary built from
-    `set(label_names)`, or files sharded by `hash(path) % world_size`, would then look consistent
-    here and differ per rank in production. Two servers give rank 0 and the others different
-    secrets (the same one where the user sets PYTHONHASHSEED, as torchrun's ranks would inherit it);
-    both import torch at once, on a machine's two cores."""
+    `set(label_names)`, or files sharded by `hash(path)`, would then look consistent here and differ
+    per rank in production. Two servers give rank 0 and the others different secrets: fixed ones
+    (PYTHONHASHSEED 1 and 2), so that a verdict that depends on them is the same in every run. Both
+    import torch at once, on a machine's two cores. Where the user sets PYTHONHASHSEED, torchrun's
+    ranks would all inherit it: one server, with the user's, serves every rank."""
+
+    HASH_SEEDS = ("1", "2")
 
     def __init__(self, start_timeout: float, preload: tuple[str, ...] = ()) -> None:
         """`preload`: modules imported, after PRELOAD, before it says it is ready (`DdpTest.preload`)."""
         self.servers: list[_Server] = []
+        seeds: tuple[str | None, ...] = (None,) if "PYTHONHASHSEED" in os.environ else self.HASH_SEEDS
         try:
-            for _ in range(2):
-                self.servers.append(_Server(start_timeout, preload))
+            for seed in seeds:
+                self.servers.append(_Server(start_timeout, preload, seed))
         except BaseException:
             self.close()
             raise
-        self._server_of: dict[int, _Server] = {}
         self.warming = False
 
     @property
@@ -145,19 +157,21 @@ class Zygote:
         return [server.popen.pid for server in self.servers]
 
     def wait_ready(self) -> None:
-        for server in self.servers:
-            server.wait_ready()
+        try:
+            for server in self.servers:
+                server.wait_ready()
+        except BaseException:
+            self.close()  # the other one too: a zygote that cannot fork every rank is no use
+            raise
 
     @property
     def alive(self) -> bool:
         return all(server.alive for server in self.servers)
 
-    def fork(self, env: dict[str, str], log_path: str) -> int:
-        """A rank with this environment: from the first server for rank 0, from the second for the rest."""
-        server = self.servers[0 if env.get("RANK", "0") == "0" else 1]
-        pid = server.fork(env, log_path)
-        self._server_of[pid] = server
-        return pid
+    def fork(self, env: dict[str, str], log_path: str) -> ForkedRank:
+        """A rank with this environment: from the first server for rank 0, from the last for the rest."""
+        server = self.servers[0 if env.get("RANK", "0") == "0" else -1]
+        return ForkedRank(server, server.fork(env, log_path))
 
     def warm_up(self) -> None:
         """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""
@@ -165,11 +179,6 @@ class Zygote:
             self.warming = True
             for server in self.servers:
                 server.warm_up()
-
-    def returncode(self, pid: int) -> int | None:
-        """The exit code of a forked rank (negative: killed by that signal), once reaped."""
-        server = self._server_of.get(pid)
-        return None if server is None else server.returncode(pid)
 
     def close(self) -> None:
         """Kill them: they hold nothing worth a goodbye (their pools are stopped first), and asking one
@@ -180,16 +189,16 @@ class Zygote:
 
 
 class ForkedRank:
-    """A rank the zygote forked, with the subset of Popen the supervisor uses."""
+    """A rank one fork server forked, with the subset of Popen the supervisor uses."""
 
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.zygote = zygote
+    def __init__(self, server: _Server, pid: int) -> None:
+        self.server = server
         self.pid = pid
 
     def poll(self) -> int | None:
-        code = self.zygote.returncode(self.pid)
-        if code is None and not self.zygote.alive:
-            return -9  # the zygote is gone, and with it (parent-death signal) every rank it forked
+        code = self.server.returncode(self.pid)
+        if code is None and not self.server.alive:
+            return -9  # its server is gone, and with it (parent-death signal) every rank it forked
         return code
 
     def wait(self, timeout: float | None = None) -> int:
