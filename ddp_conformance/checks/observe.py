@@ -59,6 +59,10 @@ class LoaderPass:
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
     tail: int = 0  # samples a BatchSampler(drop_last=True) leaves out at the end of each epoch's share
+    # a loader over a Subset (a rank's own shard, a curriculum stage): its indices are recorded as the
+    # underlying dataset's, `universe` (sorted) is the part of it the Subset holds, `index_map` the map
+    universe: list[int] | None = None
+    index_map: list[int] | None = field(default=None, repr=False)
     trained: bool = False
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
@@ -351,10 +355,18 @@ def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterat
     for batch in batches:
         if target is not None:
             if all(isinstance(i, numbers.Integral) for i in batch):
-                target.batches.append([int(i) for i in batch])
+                target.batches.append([_through(target.index_map, int(i)) for i in batch])
             else:  # not dataset indices (a custom sampler yielding keys): nothing to judge by index
                 target.indexed, target = False, None
         yield batch
+
+
+def _through(index_map: list[int] | None, index: int) -> int:
+    """An index of the loader's dataset as the underlying dataset's; one the Subset does not have
+    stays outside it (negative), for the check to name, never an error in the fit."""
+    if index_map is None:
+        return index
+    return index_map[index] if 0 <= index < len(index_map) else -1 - abs(index)
 
 
 def input_digest(value: Any) -> str:
@@ -414,7 +426,7 @@ def _new_pass(loader: Any) -> LoaderPass:
         sampler = batch_sampler
     if sampler is None:
         sampler = getattr(loader, "sampler", None)
-    dataset = getattr(loader, "dataset", None)
+    dataset, index_map = _through_subsets(getattr(loader, "dataset", None))
     try:
         length = len(loader)
     except TypeError:
@@ -430,7 +442,22 @@ def _new_pass(loader: Any) -> LoaderPass:
     return LoaderPass(length=length, dataset_size=size, sampler=type(sampler).__name__,
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
-                      iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler))
+                      iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler),
+                      universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map)
+
+
+def _through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
+    """The dataset a chain of `Subset`s views, and the map from the outer indices to its own (None
+    when the loader's dataset is no Subset): a rank that trains on its own Subset shard draws
+    indices that mean nothing next to another rank's until they are the underlying dataset's."""
+    from torch.utils.data import Subset
+
+    index_map: list[int] | None = None
+    while isinstance(dataset, Subset):
+        inner = [int(i) for i in dataset.indices]
+        index_map = inner if index_map is None else [inner[i] for i in index_map]
+        dataset = dataset.dataset
+    return dataset, index_map
 
 
 def dropped_tail(batch_sampler: Any) -> int:

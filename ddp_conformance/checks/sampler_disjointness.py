@@ -71,12 +71,28 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     else:
         size = complete[0].dataset_size
         assert size is not None  # a map-style dataset: it has indices
-        figures = _judge(ctx, [p.batches for p in complete], size, _shuffles(ctx, complete), complete[0].sampler,
-                         complete[0].tail)
+        drawn, size = _within_the_universe(ctx, complete, size)
+        figures = _judge(ctx, drawn, size, _shuffles(ctx, complete), complete[0].sampler, complete[0].tail)
         figures.update(indices_from="the fit", scheme="partition")
         _cross_check(ctx, [p.batches for p in complete], figures)
     _judge_started(ctx, later, judged, figures)
     return figures
+
+
+def _within_the_universe(ctx: CheckContext, complete: list[Any], size: int) -> tuple[list[Any], int]:
+    """This rank's batches, and the dataset size, as the partition is judged: where the loaders are
+    over Subsets (each rank's own shard, or one stage's part of the data), over the union of what the
+    ranks' Subsets hold, relabelled 0..len-1: that union is what the ranks must cover between them."""
+    universes = all_gather(complete[0].universe)
+    batches = [p.batches for p in complete]
+    if all(u is None for u in universes):
+        return batches, size
+    union = sorted(set().union(*(range(size) if u is None else u for u in universes)))
+    position = {index: i for i, index in enumerate(union)}
+    relabel = [[[position.get(i, -1) for i in batch] for batch in epoch] for epoch in batches]
+    ctx.note(f"the loaders are over Subsets: the partition is judged over the {len(union)} samples of the "
+             f"underlying dataset ({size}) that the ranks' Subsets hold")
+    return relabel, len(union)
 
 
 def _alike_from_the_first(passes: list[Any]) -> int:
@@ -88,7 +104,8 @@ def _alike_from_the_first(passes: list[Any]) -> int:
 
 
 def _shape(p: Any) -> tuple[Any, ...]:
-    return p.dataset_size, p.sampler, p.indexed, p.tail, _draws_with_replacement(p)
+    universe = None if p.universe is None else (len(p.universe), hash(tuple(p.universe)))  # ints: no hash secret
+    return p.dataset_size, p.sampler, p.indexed, p.tail, _draws_with_replacement(p), universe
 
 
 def _judge_started(ctx: CheckContext, later: list[Any], first: int, figures: dict[str, Any]) -> None:

@@ -309,3 +309,20 @@ def test_a_hand_written_batch_sampler_of_indices_is_recorded_and_its_class_resto
     passes = recorder.record.training_passes()
     assert [p.batches for p in passes] == [[[0, 3], [1, 4], [2, 5]]] * 2 and all(p.indexed for p in passes)
     assert passes[0].sampler == "Buckets" and len(passes[0].inputs) == 1  # indices: only the first input digested
+
+
+def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
+    import torch
+    from torch.utils.data import DataLoader, Subset, TensorDataset
+
+    from ddp_conformance.checks.observe import FitRecorder, _through
+
+    base = TensorDataset(torch.arange(20.0))
+    shard = Subset(Subset(base, range(1, 20, 2)), [4, 0, 2])  # odd samples, then three of them
+    with FitRecorder() as recorder:
+        for _ in DataLoader(shard, batch_size=2):
+            pass
+    (recorded,) = recorder.record.passes
+    assert recorded.batches == [[9, 1], [5]] and recorded.indexed
+    assert recorded.dataset_size == 20 and recorded.universe == [1, 5, 9]
+    assert _through([9, 1], 2) < 0 and _through([9, 1], -1) < 0 and _through(None, 7) == 7
