@@ -60,13 +60,22 @@ def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[st
         return
     first = record.first_step
     assert first is not None and first.grads is not None
-    drawn = all_gather(record.training_passes()[0].batches[:first.micro_batches])
+    drawn = all_gather(_as_in(adapter.make_dataset(), record.training_passes()[0])[:first.micro_batches])
     if len({len(batch) for batches in drawn for batch in batches}) > 1:
         figures["fit_step"] = "not judged"
         ctx.note("the fit's first optimizer step is not recomputed: its micro-batches differ in size, so their "
                  "mean is not the mean over their samples")
         return
     _compare(ctx, adapter, single, record, drawn, rtol, figures)
+
+
+def _as_in(dataset: Any, first: Any) -> list[list[int]]:
+    """The fit's first batches as indices of `dataset` (`make_dataset()`'s): the Subset's own where
+    it is as long as the Subset the loader read (a random_split the adapter returns as it is), else
+    the underlying dataset's (a rank's own Subset shard of the dataset the adapter returns)."""
+    if first.index_map is None or len(dataset) == first.dataset_size:
+        return first.batches
+    return first.base_batches()
 
 
 def _unjudgeable(record: FitRecord) -> str:

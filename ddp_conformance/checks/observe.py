@@ -59,10 +59,16 @@ class LoaderPass:
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
     tail: int = 0  # samples a BatchSampler(drop_last=True) leaves out at the end of each epoch's share
-    # a loader over a Subset (a rank's own shard, a curriculum stage): its indices are recorded as the
-    # underlying dataset's, `universe` (sorted) is the part of it the Subset holds, `index_map` the map
+    # a loader over a Subset (a rank's own shard, a curriculum stage, a random_split): `batches` are the
+    # Subset's own indices; `index_map` maps them to the underlying dataset's (`base_size` samples),
+    # and `universe` (sorted) is the part of it the Subset holds
+    base_size: int | None = None
     universe: list[int] | None = None
     index_map: list[int] | None = field(default=None, repr=False)
+
+    def base_batches(self) -> list[list[int]]:
+        """The batches as indices of the dataset under any Subsets."""
+        return [[_through(self.index_map, i) for i in batch] for batch in self.batches]
     trained: bool = False
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
@@ -355,7 +361,7 @@ def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterat
     for batch in batches:
         if target is not None:
             if all(isinstance(i, numbers.Integral) for i in batch):
-                target.batches.append([_through(target.index_map, int(i)) for i in batch])
+                target.batches.append([int(i) for i in batch])
             else:  # not dataset indices (a custom sampler yielding keys): nothing to judge by index
                 target.indexed, target = False, None
         yield batch
@@ -426,7 +432,8 @@ def _new_pass(loader: Any) -> LoaderPass:
         sampler = batch_sampler
     if sampler is None:
         sampler = getattr(loader, "sampler", None)
-    dataset, index_map = _through_subsets(getattr(loader, "dataset", None))
+    dataset = getattr(loader, "dataset", None)
+    base, index_map = _through_subsets(dataset)
     try:
         length = len(loader)
     except TypeError:
@@ -443,7 +450,15 @@ def _new_pass(loader: Any) -> LoaderPass:
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
                       iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler),
-                      universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map)
+                      universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map,
+                      base_size=_length(base) if index_map is not None else None)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:

@@ -74,7 +74,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         drawn, size = _within_the_universe(ctx, complete, size)
         figures = _judge(ctx, drawn, size, _shuffles(ctx, complete), complete[0].sampler, complete[0].tail)
         figures.update(indices_from="the fit", scheme="partition")
-        _cross_check(ctx, [p.batches for p in complete], figures)
+        _cross_check(ctx, complete, figures)
     _judge_started(ctx, later, judged, figures)
     return figures
 
@@ -84,9 +84,10 @@ def _within_the_universe(ctx: CheckContext, complete: list[Any], size: int) -> t
     over Subsets (each rank's own shard, or one stage's part of the data), over the union of what the
     ranks' Subsets hold, relabelled 0..len-1: that union is what the ranks must cover between them."""
     universes = all_gather(complete[0].universe)
-    batches = [p.batches for p in complete]
     if all(u is None for u in universes):
-        return batches, size
+        return [p.batches for p in complete], size
+    batches = [p.base_batches() for p in complete]
+    size = max(s for s in all_gather(complete[0].base_size or size) if s is not None)
     union = sorted(set().union(*(range(size) if u is None else u for u in universes)))
     position = {index: i for i, index in enumerate(union)}
     relabel = [[[position.get(i, -1) for i in batch] for batch in epoch] for epoch in batches]
@@ -112,8 +113,8 @@ def _judge_started(ctx: CheckContext, later: list[Any], first: int, figures: dic
     """The passes after the complete ones (`later`, from epoch `first`), as far as the fit drew them:
     no two ranks may be fed the same samples there either, whatever loader the fit built for them."""
     __tracebackhide__ = hide_on_verdict
-    mine = [(p.dataset_size, p.sampler, [i for b in p.batches for i in b] if p.indexed else None, p.inputs,
-             _draws_with_replacement(p)) for p in later]
+    mine = [(p.base_size or p.dataset_size, p.sampler, [i for b in p.base_batches() for i in b] if p.indexed else None,
+             p.inputs, _draws_with_replacement(p)) for p in later]
     everyone = all_gather(mine)
     judged = {key: value for key, value in figures.items() if key != "summary"}  # the complete epochs' summary
     for offset in range(min(map(len, everyone))):
@@ -184,12 +185,17 @@ def _helper_epochs(ctx: CheckContext) -> list[list[list[int]]] | None:
         return None
 
 
-def _cross_check(ctx: CheckContext, fit: list[list[list[int]]], figures: dict[str, Any]) -> None:
+def _cross_check(ctx: CheckContext, complete: list[Any], figures: dict[str, Any]) -> None:
     """A helper that restates the loader must yield what the fit consumed, or every check built on it
-    judges something that never runs."""
+    judges something that never runs. Over a Subset, the helper may name samples by the Subset's
+    indices or by the underlying dataset's: either agrees."""
     __tracebackhide__ = hide_on_verdict
     helper = _helper_epochs(ctx)
+    fit = [p.batches for p in complete]
     mismatch = None if helper is None else _first_difference(helper[:len(fit)], fit)
+    if mismatch is not None and complete[0].index_map is not None:
+        in_base = _first_difference(helper[:len(fit)], [p.base_batches() for p in complete])  # type: ignore[index]
+        mismatch = None if in_base is None else mismatch
     mismatches = all_gather(mismatch)
     figures["helper_agrees"] = None if helper is None else not any(mismatches)
     wrong = [(rank, m) for rank, m in enumerate(mismatches) if m]

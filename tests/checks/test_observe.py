@@ -323,6 +323,7 @@ def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
         for _ in DataLoader(shard, batch_size=2):
             pass
     (recorded,) = recorder.record.passes
-    assert recorded.batches == [[9, 1], [5]] and recorded.indexed
-    assert recorded.dataset_size == 20 and recorded.universe == [1, 5, 9]
+    assert recorded.batches == [[0, 1], [2]] and recorded.indexed  # the Subset's own, as a DataLoader draws
+    assert recorded.base_batches() == [[9, 1], [5]]
+    assert recorded.dataset_size == 3 and recorded.base_size == 20 and recorded.universe == [1, 5, 9]
     assert _through([9, 1], 2) < 0 and _through([9, 1], -1) < 0 and _through(None, 7) == 7
