@@ -3,7 +3,8 @@
 A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail),
 `DIAGNOSIS` (words its verdict must contain, so a failure names the bug) and `SKIPS` (checks that
 cannot judge it, with words their reason must contain); a control (`CONTROL`: correct in an unusual
-way) breaks nothing and must only be skipped where it says. The session's config (suite.yaml) turns
+way) breaks nothing and must only be skipped where it says (the default run asks it the checks its
+`CONCERNS` names, the slow test the rest). The session's config (suite.yaml) turns
 gradient_as_bucket_view on, so bucket_view_memory judges every trainer that honours its config.
 
 All trainers go through ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant
@@ -55,9 +56,11 @@ def declared(path: Path, name: str, default: Any = _REQUIRED) -> Any:
 
 
 def planned(path: Path) -> list[str]:
-    """The checks the default run's session asks of a mutant: those it breaks or skips; of a control, all."""
+    """The checks the default run's session asks of a mutant: those it breaks or skips; of a control, those
+    its unusual correctness concerns (`CONCERNS`), else all."""
     if declared(path, "CONTROL", ""):
-        return list(CHECK_IDS)
+        concerns = set(declared(path, "CONCERNS", CHECK_IDS))
+        return [check for check in CHECK_IDS if check in concerns]
     named = set(declared(path, "BREAKS")) | set(declared(path, "SKIPS", {}))
     return [check for check in CHECK_IDS if check in named]
 
