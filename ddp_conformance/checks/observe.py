@@ -434,14 +434,8 @@ def _new_pass(loader: Any) -> LoaderPass:
         sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)
     base, index_map = _through_subsets(dataset)
-    try:
-        length = len(loader)
-    except TypeError:
-        length = None
-    try:
-        size = len(dataset) if dataset is not None else None  # type: ignore[arg-type]
-    except TypeError:
-        size = None  # an iterable dataset
+    length = _length(loader)
+    size = _length(dataset)  # None for an iterable dataset
     from torch.utils.data import IterableDataset
 
     shuffle = getattr(sampler, "shuffle", None)
@@ -454,9 +448,10 @@ def _new_pass(loader: Any) -> LoaderPass:
                       base_size=_length(base) if index_map is not None else None)
 
 
-def _length(dataset: Any) -> int | None:
+def _length(sized: Any) -> int | None:
+    """len(), or None for what has none (an iterable dataset or its loader, no dataset at all)."""
     try:
-        return len(dataset)
+        return len(sized)
     except TypeError:
         return None
 
