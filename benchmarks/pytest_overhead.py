@@ -24,8 +24,12 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
                  distributed test
   rank cpu ms    CPU time all ranks together spend per pool-level test (/proc): with W ranks on 2
                  cores, half of it (plus the parent's share) bounds the wall time from below
-  floor ms       plain growth + all_reduce: what a distributed test would add to a session if the
-                 runner cost nothing at all (pytest's own per-test work, then the test's collective)
+  bare ms        the cheapest round trip of a runner with one process per rank, averaged over 2000:
+                 W processes forked from the benchmark, in one gloo group, each woken by one byte on a
+                 socketpair, one all_reduce, one byte back; no pickling, pytest, output or health check
+  floor ms       plain growth + bare: what a distributed test would add to a session if the runner cost
+                 nothing at all (pytest's own per-test work, then the wake-up of every rank and the
+                 test's collective). No runner with one process per rank gets under it
   ddp cpu ms     CPU of the N2 session's whole process tree (pytest, zygote, ranks; /proc) per test,
   plain cpu ms   over the same span as growth
   all_reduce cpu one all_reduce's CPU summed over the ranks (every thread of each rank)
@@ -33,16 +37,18 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
   ddp cpu/cores  ddp cpu / the machine's cores: no schedule runs a test in less wall time than this
 Ratios: ddp junit / plain junit, ddp junit / all_reduce, ddp junit / pool, ddp growth / floor. The
 last row is the median of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores,
-which needs ddp cpu <= 6 ms there.
+which needs ddp cpu <= 6 ms there; of those 3 ms, the floor column takes what no runner can avoid.
 Figures move with load: other processes on a 2-core machine take the ranks' CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
+import signal
 import statistics
 import subprocess
 import sys
@@ -235,6 +241,77 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
     return figures
 
 
+def bare_round_trip(directory: Path, world_size: int, iterations: int) -> float:
+    """Mean seconds of the cheapest round trip a runner with one process per rank can make: W
+    processes forked from this one (torch imported), in one gloo group, each woken by one byte on a
+    socketpair, doing one all_reduce and answering one byte. No pickling, pytest, output or health
+    check: what is left of any distributed test once the runner costs nothing."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from ddp_conformance.runner.supervisor import loopback_interface
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface() or "lo"  # as the pools choose it
+    store = str(directory / f"bare-store-{time.monotonic_ns()}")  # a FileStore file serves one group
+    channels: list[socket.socket] = []
+    pids: list[int] = []
+    times: list[float] = []
+    try:
+        for rank in range(world_size):
+            ours, theirs = socket.socketpair()
+            pid = os.fork()
+            if pid == 0:  # the rank: serve until the channel closes, never return
+                code = 1
+                try:
+                    ours.close()
+                    os.environ["GLOO_SOCKET_IFNAME"] = interface
+                    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
+                                            world_size=world_size)
+                    tensor = torch.ones(1)
+                    theirs.sendall(b"r")
+                    while theirs.recv(1) == b"g":
+                        dist.all_reduce(tensor)
+                        theirs.sendall(b"d")
+                    code = 0
+                finally:
+                    os._exit(code)
+            theirs.close()
+            channels.append(ours)
+            pids.append(pid)
+        for channel in channels:
+            channel.settimeout(300)
+            assert channel.recv(1) == b"r", "a bare rank did not join its group"
+        for _ in range(iterations):
+            began = time.perf_counter()
+            for channel in channels:
+                channel.sendall(b"g")
+            for channel in channels:
+                channel.recv(1)
+            times.append(time.perf_counter() - began)
+    finally:
+        for channel in channels:
+            channel.close()  # the ranks read EOF and exit
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                if not _exited_within(pid, 30):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(store)
+    return statistics.mean(times[iterations // 10:])  # the first tenth warms the group up
+
+
+def _exited_within(pid: int, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
     (directory / "conftest.py").write_text(CONFTEST)
     clocks: dict[tuple[str, int], dict[str, float]] = {}
@@ -253,19 +330,20 @@ def one_repeat(directory: Path, args: argparse.Namespace) -> dict[str, float]:
         grown = session["collect"] - clocks[(kind, args.n1)]["collect"]
         figures[f"{kind}_collect"] = grown / (args.n2 - args.n1)
     figures.update(pool_figures(directory, args.world_size, args.warm_tests))
+    figures["bare"] = bare_round_trip(directory, args.world_size, args.bare_trips)
     return figures
 
 
 COLUMNS = ("run", "ddp junit ms", "plain junit ms", "ddp growth ms", "plain growth ms", "ddp collect ms",
-           "plain collect ms", "pool ms", "empty ms", "all_reduce ms", "rank cpu ms", "floor ms", "ddp cpu ms",
-           "plain cpu ms", "all_reduce cpu ms", "cpu floor ms", "ddp/plain", "ddp/all_reduce", "ddp/pool",
+           "plain collect ms", "pool ms", "empty ms", "all_reduce ms", "bare ms", "rank cpu ms", "floor ms",
+           "ddp cpu ms", "plain cpu ms", "all_reduce cpu ms", "cpu floor ms", "ddp/plain", "ddp/all_reduce", "ddp/pool",
            "growth/floor", "ddp cpu/cores")
 
 
 def row(label: str, f: dict[str, float]) -> str:
     ms = ("ddp_junit", "plain_junit", "ddp_growth", "plain_growth", "ddp_collect", "plain_collect", "pool",
-          "empty", "all_reduce", "rank_cpu")
-    floor = f["plain_growth"] + f["all_reduce"]
+          "empty", "all_reduce", "bare", "rank_cpu")
+    floor = f["plain_growth"] + f["bare"]
     cpu_floor = f["plain_cpu"] + f["all_reduce_cpu"]
     cores = os.cpu_count() or 1
     cells = (label, *(f"{f[key] * 1e3:.2f}" for key in ms), f"{floor * 1e3:.2f}",
@@ -283,6 +361,7 @@ def main() -> None:
     parser.add_argument("--n2", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warm-tests", type=int, default=200)
+    parser.add_argument("--bare-trips", type=int, default=2000)
     args = parser.parse_args()
     import torch
 

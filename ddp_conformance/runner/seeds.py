@@ -14,7 +14,11 @@ numpy.random.seed()` took 627 us (`python -m timeit -s "from ddp_conformance.run
 fresh_seeds" "fresh_seeds()"`, 2-core CI VM). `torch.seed()` records three stack traces a call for
 accelerator generators a CPU-only build cannot have; `numpy.random.seed()` hashes its entropy in
 Python under `np.errstate`. At world size 4 the ranks' CPU per warm trivial test fell from 8.6 to
-3.2 ms with this (`benchmarks/pytest_overhead.py`, rank cpu column).
+3.2 ms with this (`benchmarks/pytest_overhead.py`, rank cpu column). numpy takes a 32-bit seed: its
+array form (128 bits) ran a rank's numpy reseed through four ufuncs, and the whole reseed cost
+238-397 us of a rank's CPU per test in a 400-test world-size-4 session against 104-255 us with the
+integer (thread CPU around the call in each rank; two sessions before, four after). Two of four ranks share a
+numpy stream in one test with odds of 6 in 2**32.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ import sys
 
 def fresh_seeds() -> None:
     """Reseed torch (CPU, and accelerators lazily), Python's `random` and numpy (if imported) from
-    OS entropy."""
+    OS entropy, drawn in one call."""
     import torch
 
-    if _cpu_only_torch():
-        torch.default_generator.seed()  # all torch.seed() does on a CPU-only build, less its stack traces
+    entropy = os.urandom(28)
+    if _cpu_only_torch():  # all torch.seed() does on a CPU-only build (64 bits), less its stack traces
+        torch.default_generator.manual_seed(int.from_bytes(entropy[:8], "little"))
     else:
         torch.seed()  # a non-deterministic seed; accelerator generators follow when initialised
-    random.seed(os.urandom(32))
+    random.seed(int.from_bytes(entropy[8:24], "little"))
     numpy = sys.modules.get("numpy")  # torch imports it when installed; never imported just for this
-    if numpy is not None:  # 128 bits of OS entropy, as seed() takes, through MT19937's init_by_array
-        numpy.random.seed(numpy.frombuffer(os.urandom(16), dtype=numpy.uint32))
+    if numpy is not None:  # the legacy seed's 32 bits: the array form costs a rank 4x more
+        numpy.random.seed(int.from_bytes(entropy[24:], "little"))
 
 
 def _cpu_only_torch() -> bool:

@@ -4,16 +4,34 @@ SIGKILL), and a plugin that imports nothing heavy where no distributed test runs
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import live_ranks
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+@pytest.fixture
+def session_tmpdir() -> Iterator[Path]:
+    """A TMPDIR of its own for a pytest session the test runs: what the session leaves in it is
+    what its pools and zygote left. Short, under /tmp: a pool's socket path must stay under the
+    AF_UNIX limit, past which the pool falls back to /tmp itself."""
+    path = Path(tempfile.mkdtemp(prefix="ddpt-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def leftovers(tmpdir: Path) -> list[str]:
+    return sorted(entry.name.rsplit("-", 1)[0] for entry in tmpdir.iterdir())
 
 NEVER_SPAWN = """
 import ddp_conformance.runner.supervisor as supervisor
@@ -46,7 +64,9 @@ def test_nccl_without_gpus_is_skipped_in_the_parent(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines(["*SKIPPED*nccl needs 4 GPUs, found 0*"])
 
 
-def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester) -> None:
+def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, session_tmpdir: Path) -> None:
+    """SIGKILL leaves no process; it does leave the directories pytest never got to remove, and
+    nothing else: the pool's (its socket, store and rank logs) and the zygote's."""
     marker = pytester.path / "ranks-running"
     pytester.makepyfile(
         f"""
@@ -65,6 +85,7 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester) ->
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", str(pytester.path)],
         cwd=pytester.path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, TMPDIR=str(session_tmpdir)),
     )
     try:
         deadline = time.monotonic() + 60
@@ -82,10 +103,12 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester) ->
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert leftovers(session_tmpdir) == ["ddp-conformance-ws2", "ddp-conformance-zygote"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
-def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, signum: int) -> None:
+def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, signum: int,
+                                                 session_tmpdir: Path) -> None:
     marker = pytester.path / "ranks-running"
     pytester.makepyfile(
         f"""
@@ -102,6 +125,7 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", str(pytester.path)],
         cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, TMPDIR=str(session_tmpdir)),
     )
     try:
         deadline = time.monotonic() + 60
@@ -117,6 +141,7 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
     assert live_ranks(parent=proc.pid) == []
     assert "KeyboardInterrupt" in out
     assert out.count("Traceback") == 0, out
+    assert leftovers(session_tmpdir) == []  # the pool's and the zygote's directories went with them
 
 
 def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pytester) -> None:
