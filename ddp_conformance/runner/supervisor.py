@@ -121,8 +121,9 @@ class RankPool:
         self.wait_ready()
 
     def launch(self) -> None:
-        """Spawn the ranks and return at once: they import torch and meet while pytest goes on."""
-        self._launched_at = time.monotonic()
+        """Spawn the ranks and return at once: they import torch and meet while pytest goes on. The
+        start timeout counts from when the last rank exists: a fork first waits for the zygote's
+        import of torch, which has a limit of its own and must not eat into the ranks'."""
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ddp-conformance-ws{self.world_size}-"))
         if len(str(self.workdir / "pool.sock")) > 100 and os.path.isdir("/tmp"):  # AF_UNIX path limit
             os.rmdir(self.workdir)
@@ -132,6 +133,7 @@ class RankPool:
             self._handshake = Handshake(self.workdir, backlog=self.world_size)
             for rank in range(self.world_size):
                 self.ranks.append(self._spawn(rank, store))
+            self._launched_at = time.monotonic()
         except BaseException:
             self.kill()
             raise

@@ -144,6 +144,29 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
     assert leftovers(session_tmpdir) == []  # the pool's and the zygote's directories went with them
 
 
+@pytest.mark.slow
+def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forks that wait (on a zygote still importing torch) do not eat into the ranks' time to meet."""
+    from ddp_conformance.runner.supervisor import RankPool
+    from ddp_conformance.runner.zygote import Zygote
+
+    zygote = Zygote(start_timeout=300)
+    fork = zygote.fork
+
+    def slow_fork(*args: object, **kwargs: object) -> object:
+        time.sleep(2.5)
+        return fork(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zygote, "fork", slow_fork)
+    pool = RankPool(2, "gloo", start_timeout=4, rank_threads=1, zygote=zygote)
+    try:
+        pool.start()  # 5 s of forks, then a rendezvous well within 4 s
+        assert pool.ready
+    finally:
+        pool.stop()
+        zygote.close()
+
+
 def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """
