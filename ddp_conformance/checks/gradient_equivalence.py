@@ -202,8 +202,8 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
         if cause == "divided":
             return (f"gradients are exactly 1/{world} of the single-process gradients: the loss is divided by the "
-                    f"world size (dist.get_world_size(), or devices x num_nodes from the config) on top of DDP's "
-                    f"own averaging {where}")
+                    f"world size (dist.get_world_size(), Lightning's trainer.world_size, or devices x num_nodes "
+                    f"from the config) on top of DDP's own averaging {where}")
         if cause == "mean":
             return (f"gradients are exactly 1/{world} of the single-process gradients although the loss is a mean: "
                     f"the gradients are divided by the world size after backward, on top of DDP's own averaging "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -92,19 +93,46 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
             f"{total} elements beyond it are not judged, the others match)")
 
 
+# packages whose own reads of the world must stay real: torch's DDP and collectives, Lightning's
+# strategies (they read it through `torch.distributed.`, patched below) and the harness itself
+_LIBRARIES = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ddp_conformance"})
+
+
 @contextlib.contextmanager
 def world_of_one() -> Iterator[None]:
     """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
-    and `get_rank()` say 1 and 0, and WORLD_SIZE/RANK say so too, so a loss scaled by the world size
-    is not scaled in the reference it is compared with. (A name imported before, as in
-    `from torch.distributed import get_world_size`, keeps the real value: a limit said in docs/checks.md.)"""
+    and `get_rank()` say 1 and 0, as do the names the trainer's modules imported
+    (`from torch.distributed import get_world_size [as ws]`), and WORLD_SIZE/RANK say so too, so a
+    loss scaled by the world size is not scaled in the reference it is compared with. (A name bound
+    elsewhere, in a closure or a default argument, keeps the real value: docs/checks.md.)"""
     import torch.distributed as dist
 
+    stand_ins = {id(dist.get_world_size): (dist.get_world_size, lambda group=None: 1),
+                 id(dist.get_rank): (dist.get_rank, lambda group=None: 0)}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(dist, "get_world_size", lambda group=None: 1))
-        stack.enter_context(mock.patch.object(dist, "get_rank", lambda group=None: 0))
+        for module, name, stand_in in _imported_bindings(stand_ins):
+            stack.enter_context(mock.patch.object(module, name, stand_in))
+        stack.enter_context(mock.patch.object(dist, "get_world_size", stand_ins[id(dist.get_world_size)][1]))
+        stack.enter_context(mock.patch.object(dist, "get_rank", stand_ins[id(dist.get_rank)][1]))
         stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
         yield
+
+
+def _imported_bindings(stand_ins: dict[int, tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
+    """(module, name, stand-in) for every global of a module outside `_LIBRARIES` that is one of the
+    originals in `stand_ins` (keyed by id): a patch of `torch.distributed` alone misses them."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name.partition(".")[0] in _LIBRARIES:
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            entry = stand_ins.get(id(value))
+            if entry is not None and entry[0] is value:
+                found.append((module, name, entry[1]))
+    return found
 
 
 def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:

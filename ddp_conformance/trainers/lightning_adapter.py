@@ -48,6 +48,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
@@ -358,6 +359,7 @@ class LightningAdapter(TrainerAdapter):
         self.losses: list[float] = []
         self.final: TrainState | None = None
         self._probe: Probe | None = None
+        self._stand_in: pl.Trainer | None = None  # for a training_step that reads self.trainer outside a fit
 
     # --- what a subclass may change ----------------------------------------------------------------
 
@@ -449,20 +451,41 @@ class LightningAdapter(TrainerAdapter):
             raise NotProvided(self, "loss", "the module uses manual optimization (its training_step steps the "
                                             "optimizer itself)")
         try:
-            batch = module.on_after_batch_transfer(
-                module.transfer_batch_to_device(module.on_before_batch_transfer(batch, 0), self.device, 0), 0)
-            with quiet(), self.precision_plugin().train_step_context():
-                output = call_as_forward(model, module, "training_step", batch, 0)
+            output = self._training_step(model, module, batch)
         except RuntimeError as exc:
-            if "not attached to a `Trainer`" in str(exc):
-                raise NotProvided(self, "loss", "its training_step (or batch transfer hooks) use self.trainer, which "
-                                                "exists only inside Trainer.fit") from exc
-            raise
+            if "not attached to a `Trainer`" not in str(exc):
+                raise
+            output = self._training_step_beside_a_trainer(model, module, batch)
         loss = step_loss(output)
         if loss is None:
             raise NotProvided(self, "loss", f"training_step returned {type(output).__name__}, not a loss tensor "
                                             "(or a dict with 'loss')")
         return loss
+
+    def _training_step(self, model: nn.Module, module: Any, batch: Any) -> Any:
+        batch = module.on_after_batch_transfer(
+            module.transfer_batch_to_device(module.on_before_batch_transfer(batch, 0), self.device, 0), 0)
+        with quiet(), self.precision_plugin().train_step_context():
+            return call_as_forward(model, module, "training_step", batch, 0)
+
+    def _training_step_beside_a_trainer(self, model: nn.Module, module: Any, batch: Any) -> Any:
+        """The step of a module that reads `self.trainer` (its world_size, global_rank...), with the
+        Trainer the fit would build attached (never fitted: step and epoch 0) and `self.log` silent
+        (outside a loop it has nowhere to log to). In the single-process reference that Trainer has
+        one device, so `loss / self.trainer.world_size` divides by 1 there, as in a real run."""
+        if self._stand_in is None:
+            with lightning_environment(self.ctx.local_rank):
+                self._stand_in = self.make_trainer(self.build(), [])
+        try:
+            module.trainer = self._stand_in
+            with mock.patch.object(module, "log"), mock.patch.object(module, "log_dict"):
+                return self._training_step(model, module, batch)
+        except Exception as exc:
+            raise NotProvided(self, "loss", "its training_step (or batch transfer hooks) use self.trainer, and with "
+                                            f"a Trainer attached outside Trainer.fit it raised {type(exc).__name__}: "
+                                            f"{exc}") from exc
+        finally:
+            module.trainer = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """As DDPStrategy wraps it: DistributedDataParallel(module, device_ids, **the strategy's kwargs)."""

@@ -265,3 +265,25 @@ def test_a_sampler_that_cannot_say_draws_with_replacement_when_a_rank_repeats_an
     assert _draws_with_replacement(drew([[0, 2], [2, 6]]))  # index 2 twice in one rank's epoch
     assert not _draws_with_replacement(drew([[0, 2], [2, 6]], replacement=False))  # the sampler says
     assert _draws_with_replacement(drew([[0, 2], [4, 6]], replacement=True))
+
+
+def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_torch_itself(monkeypatch):
+    """`from torch.distributed import get_world_size as ws` in the trainer's module reads 1 in the
+    reference, as in a real single-process run; torch's own modules keep the real functions."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from ddp_conformance.checks.gradients import world_of_one
+
+    trainer_module = types.ModuleType("users_training_script")
+    exec("from torch.distributed import get_world_size as ws, get_rank", trainer_module.__dict__)
+    monkeypatch.setitem(sys.modules, "users_training_script", trainer_module)
+    real = c10d.get_world_size
+    with world_of_one():
+        assert trainer_module.ws() == 1 and trainer_module.get_rank() == 0  # no group: the real ones would raise
+        assert dist.get_world_size() == 1
+        assert c10d.get_world_size is real  # DDP and the collectives keep reading the real group
+    assert trainer_module.ws is real and trainer_module.get_rank is c10d.get_rank

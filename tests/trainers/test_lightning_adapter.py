@@ -101,16 +101,34 @@ def test_a_method_runs_as_the_wrappers_forward_and_forward_is_restored():
     assert "forward" not in vars(module) and module(torch.ones(1, 3)).shape == (1, 1)
 
 
-def test_a_step_that_needs_a_running_trainer_is_not_provided_rather_than_an_error(tmp_path):
-    from ddp_conformance.adapter import NotProvided
+def test_a_step_that_reads_the_trainer_runs_beside_the_trainer_the_fit_would_build(tmp_path):
+    """`self.trainer` outside a fit: the Trainer the adapter would fit with (this rank's world size:
+    a loss divided by it is divided as in the fit), `self.log` silent, detached again afterwards."""
 
-    class UsesTrainer(Tiny):
+    class ReadsTrainer(Tiny):
         def training_step(self, batch, batch_idx):
-            return self(batch["x"]).sum() * self.trainer.global_step
+            self.log("step", float(self.trainer.global_step))
+            return self(batch["x"]).sum() * self.trainer.world_size
 
     # the message the adapter recognises is Lightning's own: if a release rewords it, this fails loudly
     with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
-        UsesTrainer().trainer  # noqa: B018
+        ReadsTrainer().trainer  # noqa: B018
+    lit = LightningAdapter(LightningParts(spec="lightning:t.py:make", label="make", factory=lambda: Tiny()))
+    lit.setup(RunConfig(), RankContext(rank=0, local_rank=0, world_size=3, backend="gloo", device="cpu",
+                                       workdir=tmp_path))
+    module, x = ReadsTrainer(), torch.ones(2, 3)
+    assert float(lit.loss(module, {"x": x}).detach()) == pytest.approx(3 * float(module(x).sum().detach()))
+    assert module._trainer is None
+
+
+def test_a_step_that_needs_a_running_fit_is_not_provided_rather_than_an_error(tmp_path):
+    from ddp_conformance.adapter import NotProvided
+
+    class NeedsFit(Tiny):
+        def training_step(self, batch, batch_idx):
+            return self(batch["x"]).sum() * len(self.trainer.train_dataloader)
+
     lit, _ = adapter(tmp_path, {})
-    with pytest.raises(NotProvided, match=r"its training_step .* use self\.trainer, which exists only inside"):
-        lit.loss(UsesTrainer(), {"x": torch.ones(2, 3)})
+    with pytest.raises(NotProvided, match=r"use self\.trainer, and with a Trainer attached outside Trainer\.fit it "
+                                          r"raised TypeError"):
+        lit.loss(NeedsFit(), {"x": torch.ones(2, 3)})
