@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
 from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
@@ -117,9 +118,10 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
                                "tolerance": tolerance, "max_rel_delta": delta / scale if scale else 0.0}
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
     accumulate = ctx.config.trainer.accumulate_grad_batches
+    left_out = [r for r, out in enumerate(all_gather(_left_out(ddp_g, single_g, own_g, rtol, world))) if out]
     verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
                           or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
-                                      cause))
+                                      cause, left_out))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)
@@ -186,11 +188,24 @@ def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float
             "on the parameters (e.g. cross_entropy over a one-column output, identically 0)")
 
 
+def _left_out(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], rtol: float,
+              world: int) -> bool:
+    """Whether DDP's gradient is the single-process one without this rank's shard, `single - own /
+    world` (equal shards and a mean loss make `single` the mean of the ranks' own): this rank's
+    samples count for nothing, while it still steps in sync."""
+    if world < 2:
+        return False
+    without = {n: single_g[n] - own_g[n] / world for n, g in single_g.items()
+               if g is not None and own_g.get(n) is not None}
+    _, delta, scale = max_delta(ddp_g, without)
+    return scale > 0 and delta <= closeness(rtol) * scale
+
+
 def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
              name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1,
-             cause: str = "") -> str:
+             cause: str = "", left_out: list[int] | None = None) -> str:
     """This rank's diagnosis, or "" when the gradients match; `cause`: what the losses say about a
-    gradient of 1/world (`_scale_cause`)."""
+    gradient of 1/world (`_scale_cause`); `left_out`: the ranks whose shard DDP's gradient lacks."""
     if missing:
         return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
                 f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")
@@ -220,6 +235,9 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if world > 1 and own_delta <= rtol * own_scale:
         return (f"each rank's gradients equal the gradients of its own shard: no all-reduce happened (the model is "
                 f"not wrapped in DDP, or its gradients are never synchronised) {where}")
+    if left_out:
+        return (f"gradients are the single-process gradients of the global batch without {ranks_label(left_out)}'s "
+                f"shard: those samples count for nothing (a loss zeroed or masked on that rank) {where}")
     if clipping(ddp_g, single_g, rtol):
         return ""  # clipping by norm or value acts on the averaged gradient alike on every rank: noted
     if abs(ratio - 1) >= close and residual < close:

@@ -100,6 +100,9 @@ class FitRecord:
     optimizer_steps: int = 0
     grad_steps: int = 0  # optimizer steps that found gradients on their parameters
     nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
+    # whether this rank's own backward (before DDP averages it with the other ranks') ever gave a
+    # parameter of the model a nonzero gradient; None: no backward reached the model's parameters
+    local_grad_nonzero: bool | None = None
     passes: list[LoaderPass] = field(default_factory=list)
     first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
     rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
@@ -223,6 +226,7 @@ class FitRecorder:
         first = record.micro_batches == 0
         if first:
             record.model_type, record.model = type(model).__name__, model
+            self._watch_local_grads(model)
             record.first_rng = input_digest(self._torch.get_rng_state())
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
@@ -246,6 +250,21 @@ class FitRecorder:
             self.listener.on_wrapped(model)
         self._open = self._step_info(model, training)
         self.listener.before_step(self._open)
+
+    def _watch_local_grads(self, model: Any) -> None:
+        """A hook on each trainable parameter sees the gradient this rank's backward computes, before
+        DDP's reducer averages it with the other ranks' (DDP acts after accumulation): a rank whose
+        loss is zeroed or masked still steps in sync, and only here shows that it adds nothing.
+        Checks until the first nonzero gradient, then costs an attribute test per parameter."""
+        record = self.record
+
+        def seen(grad: Any) -> None:
+            if not record.local_grad_nonzero:
+                record.local_grad_nonzero = bool(grad.any())
+
+        for param in unwrapped(model).parameters():
+            if param.requires_grad:
+                self._stack.callback(param.register_hook(seen).remove)
 
     def _step_info(self, model: Any, training: list[LoaderPass]) -> Any:
         from ..adapter import StepInfo

@@ -14,7 +14,10 @@ Evidence, all from one short fit of the trainer (`fit(STEPS)`):
   with every other's on every step. This is behavioural, so it holds for Lightning too (which
   ignores comm hooks on CPU) and for trainers that all-reduce by hand instead of using DDP.
 - that there was training to take part in (`vacuity.py`): ranks that never change the model (every
-  gradient exactly zero, parameters as initialised, a constant loss) are trivially "in sync".
+  gradient exactly zero, parameters as initialised, a constant loss) are trivially "in sync";
+- that every rank adds to it: the gradients each rank's own backward computes, seen by a hook on
+  every parameter before DDP averages them. A rank whose loss is multiplied by 0 runs every step and
+  keeps its parameters identical, yet the model learns from the other ranks' data alone.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .progress import guarded_fit
 from .states import OUTSIDE, digest, drifted, parameters, trained
-from .vacuity import TrainingEvidence, vacuity_verdict
+from .vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
 STEPS = 4
 
@@ -88,6 +91,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     vacuous = vacuity_verdict(evidence, f"fit({STEPS})")
     if vacuous:
         raise ctx.fail(vacuous, **figures)
+    silent = silent_ranks(evidence)
+    if silent:
+        raise ctx.fail(_silent_verdict(silent, micro[0]), **figures)
     if not figures["losses_differ_between_ranks"] and ctx.world_size > 1:
         if is_ddp is False:
             raise ctx.fail(f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): "
@@ -100,6 +106,15 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                      "all-reduce here; see sampler_disjointness")
     figures["summary"] = f"{micro[0]} fwd/bwd/rank, in sync"
     return figures
+
+
+def _silent_verdict(silent: list[int], micro: int) -> str:
+    one = len(silent) == 1
+    its, that = ("its", "that rank") if one else ("their", "those ranks")
+    return (f"{ranks_label(silent)} {'trains' if one else 'train'} but {'adds' if one else 'add'} nothing: every "
+            f"gradient {its} own backward computed in {micro} micro-batches is exactly zero, while the other ranks' "
+            f"are not, so DDP averages in zeros for {its} samples and the model learns from the other ranks' data "
+            f"alone (a loss multiplied by 0, masked or replaced on {that}?)")
 
 
 def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int) -> str:

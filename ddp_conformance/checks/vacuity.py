@@ -52,7 +52,17 @@ class TrainingEvidence(FitObserver):
                 changed = digest(final) != self.initial
         return {"grad_steps": record.grad_steps if record else 0,
                 "nonzero_grad_steps": record.nonzero_grad_steps if record else 0,
+                "local_grad_nonzero": record.local_grad_nonzero if record else None,
                 "losses": list(self.losses), "params_changed": changed}
+
+
+def silent_ranks(evidence: list[dict[str, Any] | None]) -> list[int]:
+    """Ranks whose own backward gave the model only zero gradients while another rank's did not: they
+    run every step and stay in sync, but DDP averages zeros in for their samples."""
+    local = [e.get("local_grad_nonzero") if e else None for e in evidence]
+    if True not in local:
+        return []
+    return [rank for rank, nonzero in enumerate(local) if nonzero is False]
 
 
 def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
