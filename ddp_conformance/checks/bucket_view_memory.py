@@ -167,9 +167,10 @@ def _fit_keeps_the_views(ctx: CheckContext, fit_flags: list[bool | None], views:
     if lost:
         raise ctx.fail(f"the gradients the fit's first optimizer step applies are not DDP's bucket views (rank "
                        f"{lost[0]}) in the fit, although its DDP has gradient_as_bucket_view=True: something "
-                       "replaces p.grad with a new tensor between backward and the step (p.grad = f(p.grad), e.g. "
-                       "torch.nan_to_num in on_before_optimizer_step; change it in place, p.grad.nan_to_num_() or "
-                       "out=p.grad), so every step allocates the gradient copy the flag saves")
+                       "moves p.grad to new storage between backward and the step (p.grad = f(p.grad) or "
+                       "p.grad.data = f(p.grad.data), e.g. torch.nan_to_num in on_before_optimizer_step; change it "
+                       "in place, p.grad.nan_to_num_() or out=p.grad), so every step allocates the gradient copy "
+                       "the flag saves")
 
 
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,

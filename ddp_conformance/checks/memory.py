@@ -54,6 +54,14 @@ def heap_counter() -> Callable[[], int] | None:
     return in_use
 
 
+def shares_its_base(grad: Any) -> bool:
+    """Whether `grad` is a view that still lives in the storage it is a view of (a DDP bucket, with
+    gradient_as_bucket_view). `p.grad.data = f(p.grad.data)` keeps `_is_view()` true and the
+    `_base` it had, but moves the data to a new storage: only the storages tell."""
+    base = grad._base if grad._is_view() else None
+    return base is not None and grad.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
 @dataclass
 class StepMemory:
     """One measured run: build, wrap, `steps` train_steps."""
@@ -139,7 +147,7 @@ def measure_step(adapter: Any, batch: Any, flag: bool, steps: int, device_type: 
         gradient_as_bucket_view=flag, footprint=footprint, peak=peak,
         grad_bytes=sum(p.numel() * p.element_size() for p in params), is_ddp=is_ddp,
         ddp_flag=bool(logging.get("gradient_as_bucket_view")) if is_ddp else None,
-        all_views=bool(grads) and all(g._is_view() for g in grads),
+        all_views=bool(grads) and all(shares_its_base(g) for g in grads),
         grad_storages=len({g.untyped_storage().data_ptr() for g in grads}), grads=len(grads),
         buckets=_buckets(logging), wrapped_type=type(wrapped).__name__, samples=len(samples),
         extra={"find_unused_parameters": bool(getattr(wrapped, "find_unused_parameters", False)),

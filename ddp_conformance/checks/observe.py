@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .memory import shares_its_base
+
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
 # torch 2.13 keeps `forward_sync_buffers` where older releases kept `broadcast_buffers`; both are read
@@ -322,7 +324,7 @@ class FitRecorder:
         record.optimizer_steps += 1
         if record.grads_were_views is None and record.ddp is not None and record.model is not None:
             grads = [p.grad for p in record.model.parameters() if p.grad is not None]
-            record.grads_were_views = all(g._is_view() for g in grads) if grads else None
+            record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
 

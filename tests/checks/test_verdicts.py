@@ -287,3 +287,18 @@ def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_
         assert dist.get_world_size() == 1
         assert c10d.get_world_size is real  # DDP and the collectives keep reading the real group
     assert trainer_module.ws is real and trainer_module.get_rank is c10d.get_rank
+
+
+def test_a_gradient_moved_out_of_its_bucket_through_data_is_no_bucket_view():
+    """`p.grad.data = f(p.grad.data)` leaves `_is_view()` true: the storages tell (torch's `_base`
+    and `_is_view` are private; if either changes meaning, this fails)."""
+    import torch
+
+    from ddp_conformance.checks.memory import shares_its_base
+
+    bucket = torch.zeros(10)
+    grad = bucket[2:5]
+    assert shares_its_base(grad)
+    grad.data = torch.nan_to_num(grad.data)
+    assert grad._is_view() and not shares_its_base(grad)
+    assert not shares_its_base(torch.zeros(3))
