@@ -234,7 +234,8 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     _, own_delta, own_scale = max_delta(ddp_g, own_g)
     if world > 1 and own_delta <= rtol * own_scale:
         return (f"each rank's gradients equal the gradients of its own shard: no all-reduce happened (the model is "
-                f"not wrapped in DDP, or its gradients are never synchronised) {where}")
+                f"not wrapped in DDP, its forward bypasses DDP as model.module(x), or its gradients are never "
+                f"synchronised) {where}")
     if left_out:
         return (f"gradients are the single-process gradients of the global batch without {ranks_label(left_out)}'s "
                 f"shard: those samples count for nothing (a loss zeroed or masked on that rank) {where}")

@@ -105,6 +105,10 @@ class FitRecord:
     # whether this rank's own backward (before DDP averages it with the other ranks') ever gave a
     # parameter of the model a nonzero gradient; None: no backward reached the model's parameters
     local_grad_nonzero: bool | None = None
+    # the micro-batches ran through a module a DistributedDataParallel built during the fit wraps
+    # (`model.module(x)`): DDP's forward, which readies its reducer, never ran
+    bypassed_ddp: bool = False
+    ddp_modules: list[Any] = field(default_factory=list, repr=False)  # the modules DDPs built in the fit wrap
     passes: list[LoaderPass] = field(default_factory=list)
     first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
     rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
@@ -178,6 +182,7 @@ class FitRecorder:
     def __enter__(self) -> FitRecorder:
         import torch
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.parallel import DistributedDataParallel
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils.data import BatchSampler, DataLoader
 
@@ -191,6 +196,7 @@ class FitRecorder:
         self._stack.callback(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
+        self._patch(DistributedDataParallel, "__init__", self._ddp_init)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -228,6 +234,7 @@ class FitRecorder:
         first = record.micro_batches == 0
         if first:
             record.model_type, record.model = type(model).__name__, model
+            record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
             self._watch_local_grads(model)
             record.first_rng = input_digest(self._torch.get_rng_state())
             if self._capture_first_step:
@@ -327,6 +334,15 @@ class FitRecorder:
             record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
+
+    def _ddp_init(self, original: Any) -> Any:
+        record = self.record
+
+        def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+            original(ddp, module, *args, **kwargs)
+            record.ddp_modules.append(module)
+
+        return __init__
 
     def _loader_iter(self, original: Any) -> Any:
         recorder = self

@@ -51,7 +51,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         record = ctx.recordings.get("fit")
         return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
                 "outside": record.outside_digests() if record is not None else {},
-                "losses": capture.losses, "evidence": capture.summary(state, record)}
+                "losses": capture.losses, "evidence": capture.summary(state, record),
+                "bypassed_ddp": record.bypassed_ddp if record is not None else False}
 
     state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
                                   inner=capture, extra=extra)
@@ -85,7 +86,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures["params_identical"] = len(digests) == 1 and not drift
     if not figures["params_identical"]:
         mine = trained(state.params, ctx.recordings.get("fit"), capture.names, drift)
-        raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0]), **figures)
+        bypassed = any(p.extra.get("bypassed_ddp") for p in progress)
+        raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0], bypassed), **figures)
     evidence = [p.extra.get("evidence") for p in progress]
     figures["nonzero_gradient_steps_per_rank"] = [e["nonzero_grad_steps"] if e else None for e in evidence]
     vacuous = vacuity_verdict(evidence, f"fit({STEPS})")
@@ -117,7 +119,7 @@ def _silent_verdict(silent: list[int], micro: int) -> str:
             f"alone (a loss multiplied by 0, masked or replaced on {that}?)")
 
 
-def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int) -> str:
+def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int, bypassed: bool = False) -> str:
     """Which trained tensor differs most between ranks, and why (collective: every rank is done)."""
     everyone = all_gather({k: v.detach().cpu() for k, v in mine.items()})
     deltas = {name: max((_delta(tensor, other.get(name)) for other in everyone[1:]), default=0.0)
@@ -131,6 +133,11 @@ def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: 
                 "is all-reduced, since DDP averages only the gradients of the modules it wraps (make it part of the "
                 "wrapped model, e.g. a learnable loss temperature, wrap its module in DDP too, or all-reduce its "
                 "gradient yourself)")
+    if is_ddp is False and bypassed:
+        return (f"the fit wraps the model in DistributedDataParallel but runs its forward through the wrapped "
+                f"{wrapped} (model.module(x) instead of model(x)): DDP's forward never readies its reducer, so "
+                f"gradients are never all-reduced, and after {micro} micro-batches the ranks' parameters differ "
+                f"({where})")
     if is_ddp is False:
         return (f"the model is not wrapped in DistributedDataParallel (the trainer trains a {wrapped}): gradients are "
                 f"never all-reduced, and after {micro} micro-batches the ranks' parameters differ ({where})")
