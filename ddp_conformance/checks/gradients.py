@@ -107,20 +107,20 @@ def world_of_one() -> Iterator[None]:
     elsewhere, in a closure or a default argument, keeps the real value: docs/checks.md.)"""
     import torch.distributed as dist
 
-    stand_ins = {id(dist.get_world_size): (dist.get_world_size, lambda group=None: 1),
-                 id(dist.get_rank): (dist.get_rank, lambda group=None: 0)}
+    stand_ins = {"get_world_size": lambda group=None: 1, "get_rank": lambda group=None: 0}
+    originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in stand_ins.items()}
     with contextlib.ExitStack() as stack:
-        for module, name, stand_in in _imported_bindings(stand_ins):
+        for module, name, stand_in in _imported_bindings(originals):
             stack.enter_context(mock.patch.object(module, name, stand_in))
-        stack.enter_context(mock.patch.object(dist, "get_world_size", stand_ins[id(dist.get_world_size)][1]))
-        stack.enter_context(mock.patch.object(dist, "get_rank", stand_ins[id(dist.get_rank)][1]))
+        for name, stand_in in stand_ins.items():
+            stack.enter_context(mock.patch.object(dist, name, stand_in))
         stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
         yield
 
 
-def _imported_bindings(stand_ins: dict[int, tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
-    """(module, name, stand-in) for every global of a module outside `_LIBRARIES` that is one of the
-    originals in `stand_ins` (keyed by id): a patch of `torch.distributed` alone misses them."""
+def _imported_bindings(originals: dict[int, tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
+    """(module, name, stand-in) for every global of a module outside `_LIBRARIES` that is one of
+    `originals` (id -> (original, stand-in)): a patch of `torch.distributed` alone misses them."""
     found = []
     for module_name, module in list(sys.modules.items()):
         if module_name.partition(".")[0] in _LIBRARIES:
@@ -129,7 +129,7 @@ def _imported_bindings(stand_ins: dict[int, tuple[Any, Any]]) -> list[tuple[Any,
         if not isinstance(namespace, dict):
             continue
         for name, value in list(namespace.items()):
-            entry = stand_ins.get(id(value))
+            entry = originals.get(id(value))
             if entry is not None and entry[0] is value:
                 found.append((module, name, entry[1]))
     return found

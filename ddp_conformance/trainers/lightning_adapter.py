@@ -450,12 +450,15 @@ class LightningAdapter(TrainerAdapter):
         if not getattr(module, "automatic_optimization", True):
             raise NotProvided(self, "loss", "the module uses manual optimization (its training_step steps the "
                                             "optimizer itself)")
-        try:
-            output = self._training_step(model, module, batch)
-        except RuntimeError as exc:
-            if "not attached to a `Trainer`" not in str(exc):
-                raise
+        if self._stand_in is not None:  # the step already asked for self.trainer: not run twice again
             output = self._training_step_beside_a_trainer(model, module, batch)
+        else:
+            try:
+                output = self._training_step(model, module, batch)
+            except RuntimeError as exc:
+                if "not attached to a `Trainer`" not in str(exc):
+                    raise
+                output = self._training_step_beside_a_trainer(model, module, batch)
         loss = step_loss(output)
         if loss is None:
             raise NotProvided(self, "loss", f"training_step returned {type(output).__name__}, not a loss tensor "
