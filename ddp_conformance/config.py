@@ -1,4 +1,4 @@
-"""The run configuration: the seeds' Lightning-style YAML, validated into frozen dataclasses.
+"""The run configuration: a Lightning-style YAML (the `trainer:` section DDP guides publish), validated into frozen dataclasses.
 
 Users already write `trainer: strategy: _target_: lightning.pytorch.strategies.DDPStrategy ...`; a
 conformance run reads that same file, so the checks exercise the DDP kwargs people actually ship.
@@ -304,7 +304,7 @@ def _show(value: Any) -> str:
 
 
 def _yaml_loader() -> type:
-    """SafeLoader that also reads `1e-4` as a float (YAML 1.2), as the seeds write learning rates.
+    """SafeLoader that also reads `1e-4` as a float (YAML 1.2), as DDP guides write learning rates.
 
     PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-4` would arrive as a string.
     """
@@ -351,7 +351,7 @@ def reconcile(
 ) -> tuple[RunConfig, list[str]]:
     """Make the config fit the process group the harness started; return it and one note per change.
 
-    The harness, not the file, decides how many processes exist and on what device: a seed's
+    The harness, not the file, decides how many processes exist and on what device: a guide's
     `devices: -1, accelerator: gpu` on a CPU runner must still be checked, just on what is there.
     `sync_batchnorm` on CPU falls back to plain BatchNorm because torch refuses SyncBatchNorm in CPU
     modules ("SyncBatchNorm layers only work with GPU modules"); the note says it was not exercised.

@@ -71,7 +71,7 @@ def add_options(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--ddp-config", dest="ddp_config", default=None, metavar="PATH",
-        help="YAML run config in the seeds' shape (trainer.strategy, precision, ...).",
+        help="Lightning-style YAML run config (trainer.strategy, trainer.precision, ...; see docs/adapter.md).",
     )
     group.addoption(
         "--ddp-report", dest="ddp_report", default=None, metavar="PATH",

@@ -6,9 +6,9 @@ properties are rank 0's `ddp.figures` (which the plugin also writes to JUnit XML
 items, are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the
 controller, which alone prints the matrix and writes the JSON. No torch, no checks imported here.
 
-JSON shape: {"schema_version": 2, "world_size": N, "backend": "...", "results": [{"trainer", "check",
-"outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]}, described field by field by
-the JSON Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full
+JSON shape: {"schema_version": 3, "world_size": N, "backend": "...", "results": [{"trainer", "spec",
+"check", "outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]} (`trainer` is the name
+the test id and the matrix use, `spec` the SPEC as given), described field by field by the JSON Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full
 verdict on failure (the headline pytest shows is clipped), the reason on skip, "" on pass.
 
 With pytest-html installed and `--html` given, each conformance test's row carries its figures and
@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-TRAINER_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_check"
+# the trainer's one name (the test id's), its SPEC as given, and the check id
+TRAINER_PROPERTY, SPEC_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_spec", "conformance_check"
 CHECK_FAILED = ("ddp_conformance.checks.base", "CheckFailed")  # named, not imported: no torch here
 VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra attribute: it crosses xdist)
-SCHEMA_VERSION = 2  # of report.schema.json: raised when a field is removed, renamed or changes meaning
+SCHEMA_VERSION = 3  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
 TRAINER_WIDTH = 24  # longer trainer labels wrap inside their column
 GAP = 2
@@ -100,6 +102,7 @@ class ConformanceReport:
             setattr(report, VERDICT_ATTRIBUTE, verdict)
         if self.html is not None:
             trainer, check = properties.pop(TRAINER_PROPERTY), properties.pop(CHECK_PROPERTY)
+            properties.pop(SPEC_PROPERTY, None)
             extras = self.html.extras
             figures = _jsonable(properties)
             row = _html_figures(trainer, check, figures, verdict)
@@ -111,9 +114,10 @@ class ConformanceReport:
         if CHECK_PROPERTY not in properties or not _is_result(report):
             return
         trainer, check = str(properties.pop(TRAINER_PROPERTY)), str(properties.pop(CHECK_PROPERTY))
+        spec = str(properties.pop(SPEC_PROPERTY, trainer))
         figures = _jsonable(properties)
-        self.results.append({"trainer": trainer, "check": check, "outcome": report.outcome, "figures": figures,
-                             "message": _message(report)})
+        self.results.append({"trainer": trainer, "spec": spec, "check": check, "outcome": report.outcome,
+                             "figures": figures, "message": _message(report)})
 
     def document(self) -> dict[str, Any]:
         """The JSON report. World size and backend come from the results' figures (what the ranks
@@ -125,7 +129,7 @@ class ConformanceReport:
         trainers = list(settings.trainers)
 
         def order(result: dict[str, Any]) -> tuple[int, int]:  # xdist finishes tests in any order
-            t, c = result["trainer"], result["check"]
+            t, c = result["spec"], result["check"]
             return (trainers.index(t) if t in trainers else len(trainers),
                     CHECK_IDS.index(c) if c in CHECK_IDS else len(CHECK_IDS))
 
@@ -177,14 +181,8 @@ def _html_figures(trainer: str, check: str, figures: dict[str, Any], verdict: st
     rows = "".join(f"<tr><td>{escape(str(key))}</td><td>{escape(json.dumps(value))}</td></tr>"
                    for key, value in figures.items())
     head = f"<p><b>verdict:</b> {escape(str(verdict))}</p>" if verdict else ""
-    return (f'<div class="ddp-conformance"><p>{escape(_label(trainer))} / {escape(check)}</p>{head}'
+    return (f'<div class="ddp-conformance"><p>{escape(trainer)} / {escape(check)}</p>{head}'
             f"<table>{rows}</table></div>")
-
-
-def _label(spec: str) -> str:
-    from .checks import trainer_label
-
-    return trainer_label(spec)
 
 
 OUTCOME_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "skip"}
@@ -195,12 +193,18 @@ def _words(text: str, width: int) -> list[str]:
     return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]
 
 
-def _header(check: str, width: int) -> list[str]:
-    """A check id over as many lines as it needs, broken after its underscores."""
-    pieces = [piece + "_" for piece in check.split("_")]
-    pieces[-1] = pieces[-1][:-1]
+_NAME_BREAKS = re.compile(r"(?<=[_.+/:\\-])")  # a name breaks only after one of these, never inside a word
+
+
+def _pieces(name: str) -> list[str]:
+    return [piece for piece in _NAME_BREAKS.split(name) if piece]
+
+
+def _broken(name: str, width: int) -> list[str]:
+    """A trainer or check name over as many lines of `width` as it needs, broken only after `_ . + / : -`
+    (a piece longer than `width` stands whole on its line: the column is made wide enough for it)."""
     lines = [""]
-    for piece in pieces:
+    for piece in _pieces(name):
         if lines[-1] and len(lines[-1]) + len(piece) > width:
             lines.append("")
         lines[-1] += piece
@@ -249,22 +253,23 @@ def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     numbered = [r for r in results if r["outcome"] != "passed"]
     notes = {(r["trainer"], r["check"]): n for n, r in enumerate(numbered, start=1)}
     texts = {(t, c): _cell_text(cells.get((t, c)), notes.get((t, c))) for t in trainers for c in checks}
-    label_width = min(max([len("trainer"), *(len(_label(t)) for t in trainers)]), TRAINER_WIDTH)
+    longest_piece = max((len(piece) for t in trainers for piece in _pieces(t)), default=0)
+    label_width = max(min(max([len("trainer"), *(len(t) for t in trainers)]), TRAINER_WIDTH), longest_piece)
     widths = _widths([[texts[(t, c)] for t in trainers] for c in checks], checks,
                      width - label_width - GAP * len(checks))
     if widths is None:
         lines = _listed(trainers, checks, texts, width)
     else:
-        lines = _rows(["trainer"], [_header(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths)
+        lines = _rows(["trainer"], [_broken(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths)
         for trainer in trainers:
-            label = textwrap.wrap(_label(trainer), label_width, break_on_hyphens=False) or [""]
+            label = _broken(trainer, label_width)
             grid = [_cell(texts[(trainer, c)], w) for c, w in zip(checks, widths, strict=True)]
             row = _rows(label, grid, label_width, widths)
             lines += ([""] if len(row) > 1 else []) + row  # tall rows apart, so a cell's lines stay together
     if numbered:
         lines.append("")
     for n, r in enumerate(numbered, start=1):
-        lines += textwrap.wrap(f"[{n}] {_label(r['trainer'])} / {r['check']} {r['outcome']}: {r['message']}", width,
+        lines += textwrap.wrap(f"[{n}] {r['trainer']} / {r['check']} {r['outcome']}: {r['message']}", width,
                                subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     return lines
 
@@ -285,7 +290,7 @@ def _listed(trainers: list[str], checks: list[str], texts: dict[tuple[str, str],
     """The matrix for a narrow terminal: a line per trainer and check."""
     lines = []
     for trainer in trainers:
-        lines.append(_label(trainer))
+        lines.append(trainer)
         for check in checks:
             cell = " ".join(part for part in texts[(trainer, check)] if part)
             lines += textwrap.wrap(f"{check}: {cell}", width, initial_indent="  ", subsequent_indent="    ",

@@ -12,6 +12,7 @@ just to learn the check ids.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from dataclasses import dataclass
 
 from .base import CheckContext, CheckFailed, hide_on_verdict
@@ -67,6 +68,14 @@ def trainer_label(spec: str) -> str:
     return stem if attr == "Trainer" else f"{stem}.{attr}"
 
 
+def trainer_labels(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Each SPEC's one name for the session (test id, matrix and JSON): its `trainer_label`, or the SPEC
+    itself where two SPECs would share a label (two `conformance_adapter.py` in different folders)."""
+    labels = {spec: trainer_label(spec) for spec in specs}
+    taken = Counter(labels.values())
+    return {spec: label if taken[label] == 1 else spec for spec, label in labels.items()}
+
+
 def run_check(check_id: str, spec: str, options: CheckOptions, ddp: object, workdir: object) -> dict:
     """Run one check for one trainer SPEC on this rank; the suite's test body.
 
@@ -92,4 +101,4 @@ def run_check(check_id: str, spec: str, options: CheckOptions, ddp: object, work
 
 
 __all__ = ["CHECK_IDS", "CheckContext", "CheckFailed", "CheckOptions", "run_check", "stall_seconds",
-           "trainer_label"]
+           "trainer_label", "trainer_labels"]

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_label
+from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_labels
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import settings_of
-from ddp_conformance.report import CHECK_PROPERTY, TRAINER_PROPERTY
+from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
 from ddp_conformance.runner.protocol import WARMUP
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.name != "test_conformance":
         return
-    trainers = settings_of(metafunc.config).trainers
-    params = [pytest.param(spec, check, id=f"{trainer_label(spec)}-{check}")
-              for spec in trainers for check in CHECK_IDS]
+    labels = trainer_labels(settings_of(metafunc.config).trainers)
+    params = [pytest.param(spec, check, id=f"{label}-{check}") for spec, label in labels.items() for check in CHECK_IDS]
     metafunc.parametrize(("trainer", "check"), params)
 
 
@@ -29,8 +28,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str) -> CheckOptions:
     """Computed in the pytest process, pickled to the ranks. Also tags the test as a conformance
     result for ddp_conformance.report (user properties travel with the report, xdist included)."""
-    request.node.user_properties.extend([(TRAINER_PROPERTY, trainer), (CHECK_PROPERTY, check)])
     settings = settings_of(request.config)
+    label = trainer_labels(settings.trainers)[trainer]  # the test id's name for it, in the matrix and JSON too
+    request.node.user_properties.extend([(TRAINER_PROPERTY, label), (SPEC_PROPERTY, trainer), (CHECK_PROPERTY, check)])
     marked = ddp_test(request.node)
     timeout = marked.timeout if marked is not None else settings.timeout
     return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS, trainer_label
+from ddp_conformance.checks import CHECK_IDS, trainer_labels
 from ddp_conformance.report import MATRIX_WIDTH, matrix_lines, schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def assert_fits_and_nothing_is_cut(doc: dict[str, Any], lines: list[str], width:
         assert not missing, f"{result['trainer']} / {result['check']}: {missing} cut from the matrix"
     below = " ".join(line.strip() for line in lines)
     for n, result in enumerate((r for r in doc["results"] if r["outcome"] != "passed"), start=1):
-        expected = f"[{n}] {trainer_label(result['trainer'])} / {result['check']} {result['outcome']}: "
+        expected = f"[{n}] {result['trainer']} / {result['check']} {result['outcome']}: "
         assert expected + " ".join(result["message"].split()) in below
 
 
@@ -66,6 +66,28 @@ def test_matrix_with_long_figures_and_labels_still_fits() -> None:
     assert_fits_and_nothing_is_cut(doc, matrix_lines(doc))
 
 
+def _labels_in_matrix(replace: str) -> list[str]:
+    doc = copy.deepcopy(RECORDED)
+    for result in doc["results"]:
+        result["trainer"] = result["trainer"].replace("summed_loss", replace)
+    lines = matrix_lines(doc)
+    assert_fits_and_nothing_is_cut(doc, lines)
+    return [line.split()[0] for line in lines if line and not line.startswith((" ", "["))]
+
+
+def test_a_trainer_name_is_broken_between_its_parts_never_inside_a_word() -> None:
+    labels = _labels_in_matrix("conformance_adapter.MyTrainer")
+    assert ["conformance_adapter.", "MyTrainer"] == labels[labels.index("conformance_adapter."):][:2], labels
+    labels = _labels_in_matrix("averyveryverylongtrainerfilenamewithoutanybreak.Trainer")
+    assert "averyveryverylongtrainerfilenamewithoutanybreak." in labels, labels  # wider than the column: whole
+
+
+def test_two_specs_that_would_share_a_name_keep_their_specs_as_names() -> None:
+    labels = trainer_labels(["a/conformance_adapter.py:MyTrainer", "b/conformance_adapter.py:MyTrainer", "torch"])
+    assert labels == {"a/conformance_adapter.py:MyTrainer": "a/conformance_adapter.py:MyTrainer",
+                      "b/conformance_adapter.py:MyTrainer": "b/conformance_adapter.py:MyTrainer", "torch": "torch"}
+
+
 def test_narrower_widths_fit_and_too_narrow_becomes_a_list() -> None:
     assert_fits_and_nothing_is_cut(RECORDED, matrix_lines(RECORDED, width=80), width=80)
     lines = matrix_lines(RECORDED, width=50)
@@ -77,7 +99,7 @@ def test_the_schema_is_valid_and_names_every_check() -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
     jsonschema.Draft202012Validator.check_schema(schema())
     assert schema()["$defs"]["result"]["properties"]["check"]["enum"] == list(CHECK_IDS)
-    assert schema()["properties"]["schema_version"]["const"] == RECORDED["schema_version"] == 2
+    assert schema()["properties"]["schema_version"]["const"] == RECORDED["schema_version"] == 3
 
 
 def test_the_recorded_report_validates_and_broken_ones_do_not() -> None:
@@ -100,7 +122,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report, page = workdir / "report.json", workdir / "report.html"
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "--ddp-world-size", "2", "--ddp-report", str(report), "--ddp-trainer", "torch",
-               "--ddp-trainer", f"{MUTANT}:Trainer", "-k", "sampler_disjointness or gradient_equivalence"]
+               "--ddp-trainer", f"{MUTANT}:Trainer", "-k", "sampler_disjointness or gradient_equivalence", "-rA"]
     has_html = _has_pytest_html()
     if has_html:
         command += [f"--html={page}", "--self-contained-html"]
@@ -121,11 +143,15 @@ def test_a_real_run_writes_a_report_its_schema_accepts(real_run: dict[str, Any])
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
     doc = real_run["doc"]
     jsonschema.validate(doc, schema(), cls=jsonschema.Draft202012Validator)
-    assert doc["schema_version"] == 2 and (doc["world_size"], doc["backend"]) == (2, "gloo")
-    outcomes = {(trainer_label(r["trainer"]), r["check"]): r["outcome"] for r in doc["results"]}
+    assert doc["schema_version"] == 3 and (doc["world_size"], doc["backend"]) == (2, "gloo")
+    outcomes = {(r["trainer"], r["check"]): r["outcome"] for r in doc["results"]}
     assert outcomes == {("torch", "sampler_disjointness"): "passed", ("torch", "gradient_equivalence"): "passed",
                         ("no_set_epoch", "sampler_disjointness"): "failed",
                         ("no_set_epoch", "gradient_equivalence"): "passed"}
+    # one name everywhere: the JSON's trainer is the test id's, and the SPEC is kept beside it
+    for result in doc["results"]:
+        assert f"test_conformance[{result['trainer']}-{result['check']}]" in real_run["proc"].stdout
+    assert {r["spec"] for r in doc["results"]} == {"torch", f"{MUTANT}:Trainer"}
 
 
 def test_a_real_run_prints_a_matrix_that_fits(real_run: dict[str, Any]) -> None:
@@ -153,4 +179,4 @@ def test_pytest_html_rows_carry_the_figures_and_the_verdict(real_run: dict[str, 
 
 
 def doc_result(doc: dict[str, Any], label: str, check: str) -> dict[str, Any]:
-    return next(r for r in doc["results"] if trainer_label(r["trainer"]) == label and r["check"] == check)
+    return next(r for r in doc["results"] if r["trainer"] == label and r["check"] == check)

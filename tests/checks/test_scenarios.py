@@ -77,7 +77,7 @@ def run_scenario(tmp: Path, scenario: dict) -> dict[str, dict[str, dict]]:
     assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-2000:]
     results: dict[str, dict[str, dict]] = {}
     for entry in json.loads(report.read_text())["results"]:
-        results.setdefault(Path(entry["trainer"].split(":")[0]).stem, {})[entry["check"]] = entry
+        results.setdefault(Path(entry["spec"].split(":")[0]).stem, {})[entry["check"]] = entry
     return results
 
 

@@ -87,7 +87,7 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:
     doc = json.loads(report.read_text())
     by_trainer: dict[str, dict[str, dict[str, Any]]] = {}
     for result in doc["results"]:
-        by_trainer.setdefault(result["trainer"], {})[result["check"]] = result
+        by_trainer.setdefault(result["spec"], {})[result["check"]] = result
     return {"proc": proc, "doc": doc, "results": by_trainer, "junit": junit.read_text()}
 
 
@@ -191,8 +191,8 @@ def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -
     doc, out = session["doc"], session["proc"].stdout
     assert (doc["world_size"], doc["backend"]) == (2, "gloo")
     assert len(doc["results"]) == len(REFERENCES) * len(CHECK_IDS) + sum(len(planned(path)) for path in MUTANTS)
-    assert set(doc["results"][0]) == {"trainer", "check", "outcome", "figures", "message"}
-    assert doc["schema_version"] == 2
+    assert set(doc["results"][0]) == {"trainer", "spec", "check", "outcome", "figures", "message"}
+    assert doc["schema_version"] == 3
     # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)
     assert '<property name="saved_pct_of_grad_bytes"' in session["junit"]
     assert '<property name="max_rel_delta"' in session["junit"]

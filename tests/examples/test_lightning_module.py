@@ -72,7 +72,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert report.is_file(), f"no report; pytest said:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     by_spec: dict[str, dict[str, Any]] = {}
     for result in json.loads(report.read_text())["results"]:
-        by_spec.setdefault(result["trainer"], {})[result["check"]] = result
+        by_spec.setdefault(result["spec"], {})[result["check"]] = result
     return {"proc": proc, "results": {name: by_spec[trainer] for name, trainer in specs.items()}}
 
 

@@ -30,7 +30,7 @@ def test_a_script_is_checked_by_its_command_line_and_its_broken_twin_is_red(tmp_
     for script in ("train.py", "../twin/train.py"):
         command += ["--ddp-trainer", f"script:{script} {FIT} | {script} {RESUME}"]
     run = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
-    results = {(Path(r["trainer"].split()[0][len("script:"):]).parent.name or "repo", r["check"]): r
+    results = {(Path(r["spec"].split()[0][len("script:"):]).parent.name or "repo", r["check"]): r
                for r in json.loads(report.read_text())["results"]}
     outcomes = {key: r["outcome"] for key, r in results.items()}
     for check in ("rank_participation", "sampler_disjointness", "resume_fidelity"):

@@ -1,4 +1,4 @@
-"""The YAML config: the seeds' shape loads, every mistake is one line naming key path and type."""
+"""The YAML config: the Lightning-style shape loads, every mistake is one line naming key path and type."""
 
 from __future__ import annotations
 
