@@ -48,6 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
         options.validate_trainers_and_config(config, settings)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    controller = session.config.stash.get(CONTROLLER_KEY, None)
+    if controller is not None:
+        controller.session_finished()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     controller = config.stash.get(CONTROLLER_KEY, None)
     if controller is not None:

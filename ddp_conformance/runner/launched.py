@@ -99,6 +99,9 @@ class LauncherController:
                report: pytest.TestReport) -> None:
         self.agree_on_report(item, call.when, report)
 
+    def session_finished(self) -> None:
+        pass  # rank 0 says it is done only at close, after its terminal summary: see finish()
+
     def close(self) -> None:
         self.finish()
 
