@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def add_options(parser: pytest.Parser) -> None:
         help="write the conformance results as JSON to PATH.",
     )
     parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
-    parser.addini("ddp_config", "default --ddp-config", default=None)
+    parser.addini("ddp_config", "default --ddp-config (relative to the rootdir)", default=None)
+    parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
     parser.addini("ddp_backend", "default --ddp-backend", default=None)
     parser.addini("ddp_timeout", "default --ddp-timeout", default=None)
@@ -144,12 +146,60 @@ def read_settings(config: pytest.Config) -> Settings:
     # rootdir before it knows plugin options, so `--ddp-report ../logs/r.json` moves it up once that
     # file exists
     spec_base = config.invocation_params.dir if typed else config.rootpath
-    config_path, _ = _raw(config, "ddp_config")
-    if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
-        config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
-                    rank_threads=threads, trainers=trainers, config_path=config_path,
-                    report_path=config.getoption("ddp_report"), spec_base=str(spec_base))
+                    rank_threads=threads, trainers=trainers, config_path=_path(config, "ddp_config"),
+                    report_path=_path(config, "ddp_report"), spec_base=str(spec_base))
+
+
+def _path(config: pytest.Config, name: str) -> str | None:
+    """A path option as typed (relative to the working directory), or its ini mirror relative to
+    the rootdir, as pytest's own ini paths are."""
+    path, _ = _raw(config, name)
+    if path is not None and not os.path.isabs(path) and config.getoption(name) is None:
+        path = os.path.join(str(config.rootpath), path)
+    return path
+
+
+def where_given(config: pytest.Config, name: str) -> str:
+    """How the user gave option `name`, the prefix of every usage line about it: `--ddp-config`
+    on the command line, `ini option ddp_config` in an ini file."""
+    return _raw(config, name)[1] or "--" + name.replace("_", "-")
+
+
+def validate_report_path(config: pytest.Config, settings: Settings) -> None:
+    """A report that cannot be written is one usage line before any test runs, not a traceback after
+    all of them."""
+    if settings.report_path is None:
+        return
+    reason = unwritable_reason(Path(settings.report_path))
+    if reason is not None:
+        raise pytest.UsageError(f"{where_given(config, 'ddp_report')}: {settings.report_path}: {reason}; "
+                                "expected a file path in a directory this user can write")
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why no file can be written at `path`, None if one can; found by trying, without leaving
+    anything behind (os.access says yes to root even where the filesystem refuses, as /proc does)."""
+    if path.is_dir():
+        return "it is a directory"
+    if path.exists():
+        try:
+            with open(path, "a", encoding="utf-8"):  # appends nothing: the file stays as it is
+                pass
+        except OSError as exc:
+            return f"cannot write it ({exc.strerror or exc})"
+        return None
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the directories it will make
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot create a file in {folder} ({exc.strerror or exc})"
+    return None
 
 
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:

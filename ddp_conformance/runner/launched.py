@@ -222,10 +222,14 @@ def _terminal() -> Any:
     return _TERMINAL if _TERMINAL is not None else sys.__stderr__
 
 
+def writes_reports() -> bool:
+    """Rank 0 writes the reports; the others would clobber its files."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def quiet_non_zero_rank(config: pytest.Config) -> None:
-    """Rank 0 writes the reports; the others would clobber its files (called before junitxml reads
-    its option)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Only rank 0 writes reports (called before junitxml reads its option)."""
+    if writes_reports():
         return
     config.option.xmlpath = None
     config.option.ddp_report = None

@@ -1,18 +1,111 @@
-"""Bad trainer SPECs and configs: one usage line naming the thing at fault, before any rank starts."""
+"""Bad input: one line naming what is wrong, where it was given and what was expected, never a
+traceback; nothing measured is lost, and nothing (no process, no directory) is left behind."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+@pytest.fixture
+def session_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The TMPDIR of the sessions the test runs, asserted empty afterwards (pytester keeps pytest's
+    own temporary directories elsewhere: --basetemp)."""
+    path = Path(tempfile.mkdtemp(prefix="ddpt-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    left = sorted(entry.name for entry in path.iterdir())
+    shutil.rmtree(path, ignore_errors=True)
+    assert left == [], f"the session left {left} in its TMPDIR"
 
 
 def run_usage_error(pytester: pytest.Pytester, *args: str) -> str:
-    pytester.makepyfile("def test_nothing():\n    pass\n")
+    ran = pytester.path / "a-test-ran"
+    pytester.makepyfile(f"def test_nothing():\n    open({str(ran)!r}, 'w').close()\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     errors = [line for line in result.stderr.lines if line.strip()]
     assert len(errors) == 1, result.stderr.str()
     assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    assert not ran.exists(), "a test ran before the usage error"
     return errors[0]
+
+
+@pytest.mark.usefixtures("session_tmpdir")
+def test_report_path_the_filesystem_refuses(pytester: pytest.Pytester) -> None:
+    line = run_usage_error(pytester, "--ddp-report=/proc/r.json")
+    assert line.startswith("ERROR: --ddp-report: /proc/r.json: cannot create a file in /proc (")
+    assert line.endswith("); expected a file path in a directory this user can write")
+
+
+@pytest.mark.usefixtures("session_tmpdir")
+def test_report_path_under_a_regular_file(pytester: pytest.Pytester) -> None:
+    notes = pytester.makefile(".txt", notes="a regular file")
+    line = run_usage_error(pytester, "--ddp-report=notes.txt/deeper/r.json")
+    assert line == ("ERROR: --ddp-report: notes.txt/deeper/r.json: notes.txt is a file, not a directory; expected a "
+                    "file path in a directory this user can write")
+    assert notes.read_text() == "a regular file"
+
+
+@pytest.mark.usefixtures("session_tmpdir")
+def test_report_path_from_ini_is_checked_and_named_so(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nddp_report = /proc/r.json\n")
+    line = run_usage_error(pytester)
+    assert line.startswith("ERROR: ini option ddp_report: /proc/r.json: cannot create a file in /proc (")
+
+
+# conformance results as the suite reports them, without ranks: the report reads user properties
+FAKE_RESULTS = """
+import shutil
+
+def test_check(record_property):
+    record_property("conformance_trainer", "torch")
+    record_property("conformance_check", "rank_participation")
+    record_property("summary", "every rank stepped")
+
+def test_the_report_directory_goes_away():
+    shutil.rmtree("out")
+    open("out", "w").close()  # a file where the report's directory was
+"""
+
+
+@pytest.mark.usefixtures("session_tmpdir")
+def test_ini_report_is_relative_to_the_rootdir_and_its_place_is_printed(pytester: pytest.Pytester,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makeini("[pytest]\nddp_report = reports/r.json\n")
+    pytester.makepyfile(FAKE_RESULTS.split("\ndef test_the_report")[0])
+    sub = pytester.mkdir("sub")
+    monkeypatch.chdir(sub)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(pytester.path))
+    assert result.ret == pytest.ExitCode.OK
+    report = pytester.path / "reports" / "r.json"
+    assert [r["check"] for r in json.loads(report.read_text())["results"]] == ["rank_participation"]
+    assert result.stdout.lines.count(f"ddp conformance report: {report}") == 1
+    assert not (sub / "reports").exists()
+
+
+@pytest.mark.usefixtures("session_tmpdir")
+def test_a_report_that_fails_at_the_end_loses_nothing(pytester: pytest.Pytester) -> None:
+    pytester.mkdir("out")
+    pytester.makepyfile(FAKE_RESULTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--ddp-report=out/r.json")
+    output = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    result.stdout.fnmatch_lines(["*ddp conformance (world size 2, auto)*", "trainer*rank_participation*",
+                                 "torch*PASS*"])
+    problems = [line for line in result.stdout.lines if "--ddp-report" in line]
+    assert problems == [f"--ddp-report: out/r.json: could not write the report: {pytester.path / 'out'} is a file, "
+                        "not a directory"]
+    result.stdout.fnmatch_lines(["*= 2 passed in *"])
 
 
 def test_trainer_that_does_not_import(pytester: pytest.Pytester) -> None:
