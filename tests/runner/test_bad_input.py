@@ -136,3 +136,30 @@ def test_config_from_ini_is_relative_to_rootdir(pytester: pytest.Pytester) -> No
     pytester.makeini("[pytest]\nddp_config = configs/nope.yaml\n")
     line = run_usage_error(pytester)
     assert "configs/nope.yaml: cannot read the file" in line
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ("world_sizes=[2, 4]", "@pytest.mark.ddp got an unknown keyword (world_sizes=[2, 4]); expected world_size, "
+                           "timeout, preload"),
+    ("world_size=0", "@pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got 0"),
+    ("timeout='abc'", "@pytest.mark.ddp(timeout=...) expects a number of seconds > 0, got 'abc'"),
+    ("2, 4", "@pytest.mark.ddp takes world_size as its only positional argument, got 2 positional (2, 4)"),
+], ids=["unknown-keyword", "world-size-0", "timeout-abc", "two-positionals"])
+@pytest.mark.usefixtures("session_tmpdir")
+def test_bad_marker_is_one_collection_line(pytester: pytest.Pytester, arguments: str, expected: str) -> None:
+    pytester.makepyfile(test_marked=f"""
+        import pytest
+
+        @pytest.mark.ddp({arguments})
+        def test_distributed(ddp):
+            pass
+        """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    output = result.stdout.str() + result.stderr.str()
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # a collection error: nothing ran, no rank started
+    assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert "site-packages" not in output and "ddp_conformance/" not in output  # no frames, pluggy's or ours
+    lines = result.stdout.lines
+    start = lines.index(next(line for line in lines if "ERROR collecting test_marked.py" in line))
+    end = lines.index(next(line for line in lines if "short test summary info" in line))
+    assert lines[start + 1:end] == [f"test_marked.py::test_distributed: {expected}"]
