@@ -88,13 +88,17 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("ddp_start_timeout", "default --ddp-start-timeout", default=None)
 
 
+def _flag(name: str) -> str:
+    return "--ddp-trainer" if name == "ddp_trainers" else "--" + name.replace("_", "-")
+
+
 def _raw(config: pytest.Config, name: str) -> tuple[str | None, str]:
     """The option's raw value and where it came from, for error messages."""
     value = config.getoption(name)
     if value is not None:
-        return str(value), "--" + name.replace("_", "-")
+        return str(value), _flag(name)
     value = config.getini(name)
-    if value not in (None, ""):
+    if value not in (None, "", []):
         return str(value), f"ini option {name}"
     return None, ""
 
@@ -163,7 +167,7 @@ def _path(config: pytest.Config, name: str) -> str | None:
 def where_given(config: pytest.Config, name: str) -> str:
     """How the user gave option `name`, the prefix of every usage line about it: `--ddp-config`
     on the command line, `ini option ddp_config` in an ini file."""
-    return _raw(config, name)[1] or "--" + name.replace("_", "-")
+    return _raw(config, name)[1] or _flag(name)
 
 
 def validate_report_path(config: pytest.Config, settings: Settings) -> None:
@@ -205,20 +209,21 @@ def unwritable_reason(path: Path) -> str | None:
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
     """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
     any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
-    from .trainers.spec import SpecError, resolve_spec
+    from .trainers.spec import SpecError, message_prefix, resolve_spec
 
     for spec in settings.trainers:
         try:
             resolve_spec(spec, Path(settings.spec_base))
         except SpecError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            reason = str(exc).removeprefix(message_prefix(spec))
+            raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {spec!r}: {reason}") from None
     if settings.config_path is not None:
         from .config import ConfigError, load_config
 
         try:
             load_config(settings.config_path)
         except ConfigError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            raise pytest.UsageError(f"{where_given(config, 'ddp_config')}: {exc}") from None
 
 
 PATH_OPTIONS = ("--ddp-report", "--ddp-config")
@@ -238,7 +243,7 @@ def refuse_path_taken_for_a_test_path(config: pytest.Config) -> None:
         expected = _ini_file_above(config.invocation_params.dir)
         if expected is not None and expected != config.inipath:
             raise pytest.UsageError(
-                f"{option} {value}: pytest took this existing path for a test path when it chose its rootdir "
+                f"{option}: {value}: pytest took this existing path for a test path when it chose its rootdir "
                 f"(it does so before plugin options are known), so it ignored {expected}; write {option}={value}")
 
 

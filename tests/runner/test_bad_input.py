@@ -111,31 +111,32 @@ def test_a_report_that_fails_at_the_end_loses_nothing(pytester: pytest.Pytester)
 def test_trainer_that_does_not_import(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(broken_adapter="import not_a_module_anywhere\n")
     line = run_usage_error(pytester, "--ddp-trainer", "broken_adapter.py:Trainer")
-    assert line.startswith("ERROR: trainer SPEC 'broken_adapter.py:Trainer': ")
+    assert line.startswith("ERROR: --ddp-trainer: 'broken_adapter.py:Trainer': cannot import ")
     assert "No module named 'not_a_module_anywhere'" in line
 
 
 def test_trainer_spec_that_names_no_adapter(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(my_adapter="class Trainer:\n    pass\nVALUE = 3\n")
     line = run_usage_error(pytester, "--ddp-trainer", "my_adapter.py:VALUE")
-    assert line.startswith("ERROR: trainer SPEC 'my_adapter.py:VALUE': ")
+    assert line.startswith("ERROR: --ddp-trainer: 'my_adapter.py:VALUE': ")
 
 
 def test_unreadable_config(pytester: pytest.Pytester) -> None:
     line = run_usage_error(pytester, "--ddp-config", "missing.yaml")
-    assert line == "ERROR: ddp-config missing.yaml: cannot read the file: No such file or directory"
+    assert line == "ERROR: --ddp-config: missing.yaml: cannot read the file: No such file or directory"
 
 
 def test_config_with_a_wrong_type_names_the_key_path(pytester: pytest.Pytester) -> None:
     pytester.makefile(".yaml", bad="trainer:\n  strategy:\n    bucket_cap_mb: big\n")
     line = run_usage_error(pytester, "--ddp-config", "bad.yaml")
-    assert "trainer.strategy.bucket_cap_mb: expected a number, got 'big'" in line
+    assert line == "ERROR: --ddp-config: bad.yaml: trainer.strategy.bucket_cap_mb: expected a number, got 'big'"
 
 
 def test_config_from_ini_is_relative_to_rootdir(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nddp_config = configs/nope.yaml\n")
     line = run_usage_error(pytester)
-    assert "configs/nope.yaml: cannot read the file" in line
+    assert line == (f"ERROR: ini option ddp_config: {pytester.path / 'configs' / 'nope.yaml'}: cannot read the file: "
+                    "No such file or directory")
 
 
 @pytest.mark.parametrize(("arguments", "expected"), [
@@ -163,3 +164,42 @@ def test_bad_marker_is_one_collection_line(pytester: pytest.Pytester, arguments:
     start = lines.index(next(line for line in lines if "ERROR collecting test_marked.py" in line))
     end = lines.index(next(line for line in lines if "short test summary info" in line))
     assert lines[start + 1:end] == [f"test_marked.py::test_distributed: {expected}"]
+
+
+def test_an_option_value_pytest_took_for_a_test_path_is_one_line(pytester: pytest.Pytester,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--ddp-config ../x.yaml` (separate word): pytest picks its rootdir and ini file from the words
+    that look like test paths before any plugin's options are known, so an existing path outside the
+    repo hides the repo's ini file. No plugin hook runs that early; the line names the form that works."""
+    repo = pytester.mkdir("repo")
+    repo.joinpath("pytest.ini").write_text("[pytest]\n")
+    pytester.path.joinpath("x.yaml").write_text("seed: 3\n")
+    repo.joinpath("test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    monkeypatch.chdir(repo)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--ddp-config", "../x.yaml")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.stderr.lines if line.strip()] == [
+        f"ERROR: --ddp-config: ../x.yaml: pytest took this existing path for a test path when it chose its rootdir "
+        f"(it does so before plugin options are known), so it ignored {repo / 'pytest.ini'}; write "
+        "--ddp-config=../x.yaml"]
+    joined = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--ddp-config=../x.yaml")
+    assert joined.ret == pytest.ExitCode.OK
+    assert "configfile: pytest.ini" in joined.stdout.str()
+
+
+@pytest.mark.parametrize(("args", "ini", "prefix"), [
+    (["--ddp-world-size=0"], "", "--ddp-world-size: "),
+    (["--ddp-config=missing.yaml"], "", "--ddp-config: missing.yaml: "),
+    (["--ddp-trainer=nowhere.py:Trainer"], "", "--ddp-trainer: 'nowhere.py:Trainer': "),
+    (["--ddp-report=/proc/r.json"], "", "--ddp-report: /proc/r.json: "),
+    ([], "ddp_world_size = 0", "ini option ddp_world_size: "),
+    ([], "ddp_config = missing.yaml", "ini option ddp_config: "),
+    ([], "ddp_trainers = nowhere.py:Trainer", "ini option ddp_trainers: 'nowhere.py:Trainer': "),
+    ([], "ddp_report = /proc/r.json", "ini option ddp_report: /proc/r.json: "),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_every_usage_line_starts_with_the_option_as_given(pytester: pytest.Pytester, args: list[str], ini: str,
+                                                          prefix: str) -> None:
+    """One prefix throughout: the option as the user gave it (flag or ini name), then the value."""
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    assert run_usage_error(pytester, *args).startswith(f"ERROR: {prefix}")
