@@ -5,7 +5,7 @@ pytest's explanation, the user's conftest `pytest_assertrepr_compare` hooks, tru
 verbosity. Re-implementing pytest's comparison (or calling its private `assertrepr_compare`, whose
 signature changed in 9.2) degrades silently on the next release. Instead the rank builds a real
 Config the way pytest documents for subprocesses (`Config.fromdictargs`, as pytest-xdist's workers
-build theirs) from the parent's command line and option values, and lets pytest's assertion plugin
+build theirs) from the parent's option values, rootdir and ini file, and lets pytest's assertion plugin
 install its own hook caller around each test, exactly as it does for a plain test item.
 
 One private entry point remains: `_pytest.assertion.pytest_runtest_protocol`, driven with a stand-in
