@@ -125,7 +125,7 @@ def collect_cost(tmp: Path) -> tuple[float, float]:
             samples.append(time.perf_counter() - began)
         return statistics.median(samples)
 
-    return run(), run("-p", "no:ddp_conformance")
+    return run(), run("-p", "no:ddp-conformance")
 
 
 def main() -> None:

@@ -38,7 +38,8 @@ _PRECISION_ALIASES: dict[Any, str] = {32: "32-true", "32": "32-true", "32-true":
 
 
 class ConfigError(ValueError):
-    """A config file that cannot be used; `str()` is the one-line message shown to the user."""
+    """A config file that cannot be used; `str()` is one line that starts with the file's path (the
+    plugin puts the option it came from in front: `--ddp-config: x.yaml: ...`)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class _Loader:
         self.where = where
 
     def fail(self, path: str, message: str) -> ConfigError:
-        return ConfigError(f"ddp-config {self.where}: {path or '(top level)'}: {message}")
+        return ConfigError(f"{self.where}: {path or '(top level)'}: {message}")
 
     def mapping(self, value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
         if value is None:
@@ -331,14 +332,14 @@ def load_config(path: str | Path | None) -> RunConfig:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"ddp-config {where}: cannot read the file: {exc.strerror or exc}") from None
+        raise ConfigError(f"{where}: cannot read the file: {exc.strerror or exc}") from None
     try:
         raw = yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"ddp-config {where}: invalid YAML{at}: {problem}") from None
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
     return _Loader(where).run(raw)
 
 

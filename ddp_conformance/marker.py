@@ -3,13 +3,14 @@
 `@pytest.mark.ddp(world_size=None, timeout=None, preload=())`: world_size an int >= 1 or a list of
 them (one test id each, through the `ddp` fixture's indirect parametrization), timeout a number of
 seconds, preload module names the ranks import before the test can start (see `DdpTest.preload`).
-A bad value is a usage error at collection, before anything is spawned.
+A bad marker is one line at collection, before anything is spawned: the test's collection error,
+as pytest reports its own markers' misuse (`fail(..., pytrace=False)`), never a traceback.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -39,15 +40,33 @@ _KEY = pytest.StashKey["DdpTest | None"]()
 _UNREAD: Any = object()
 
 
+KEYWORDS = ("world_size", "timeout", "preload")
+
+
+def _bad(where: str, problem: str) -> NoReturn:
+    """One line for a bad marker: the test's collection error, without a traceback."""
+    pytest.fail(f"{where}: {problem}", pytrace=False)
+
+
+def _signature(marker: pytest.Mark, where: str) -> None:
+    """A misspelt keyword would otherwise be ignored, and the test run at the default world size."""
+    unknown = [name for name in marker.kwargs if name not in KEYWORDS]
+    if unknown:
+        given = ", ".join(f"{name}={marker.kwargs[name]!r}" for name in unknown)
+        _bad(where, f"@pytest.mark.ddp got an unknown keyword ({given}); expected {', '.join(KEYWORDS)}")
+    if len(marker.args) > 1 or (marker.args and "world_size" in marker.kwargs):
+        _bad(where, f"@pytest.mark.ddp takes world_size as its only positional argument, got "
+                    f"{len(marker.args)} positional ({', '.join(map(repr, marker.args))})"
+                    + (" and world_size=" if "world_size" in marker.kwargs else ""))
+
+
 def _sizes(marker: pytest.Mark, where: str) -> list[int] | None:
     value = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
     if value is None:
         return None
     sizes = list(value) if isinstance(value, (list, tuple)) else [value]
     if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
-        raise pytest.UsageError(
-            f"{where}: @pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got {value!r}"
-        )
+        _bad(where, f"@pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got {value!r}")
     return sizes
 
 
@@ -56,8 +75,7 @@ def _timeout(marker: pytest.Mark, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise pytest.UsageError(f"{where}: @pytest.mark.ddp(timeout=...) expects a number of seconds > 0, "
-                                f"got {value!r}")
+        _bad(where, f"@pytest.mark.ddp(timeout=...) expects a number of seconds > 0, got {value!r}")
     return float(value)
 
 
@@ -66,8 +84,8 @@ def _preload(marker: pytest.Mark, where: str) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(
             isinstance(n, str) and n and all(part.isidentifier() for part in n.split(".")) for n in names):
-        raise pytest.UsageError(f"{where}: @pytest.mark.ddp(preload=...) expects a module name or a list of them "
-                                f"(e.g. \"torch._dynamo\"), got {value!r}")
+        _bad(where, f"@pytest.mark.ddp(preload=...) expects a module name or a list of them "
+                    f"(e.g. \"torch._dynamo\"), got {value!r}")
     return tuple(names)
 
 
@@ -76,6 +94,7 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("ddp")
     if marker is None:
         return
+    _signature(marker, metafunc.definition.nodeid)
     sizes = _sizes(marker, metafunc.definition.nodeid)
     _timeout(marker, metafunc.definition.nodeid)
     _preload(marker, metafunc.definition.nodeid)

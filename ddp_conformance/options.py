@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def add_options(parser: pytest.Parser) -> None:
         help="write the conformance results as JSON to PATH.",
     )
     parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
-    parser.addini("ddp_config", "default --ddp-config", default=None)
+    parser.addini("ddp_config", "default --ddp-config (relative to the rootdir)", default=None)
+    parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
     parser.addini("ddp_backend", "default --ddp-backend", default=None)
     parser.addini("ddp_timeout", "default --ddp-timeout", default=None)
@@ -86,13 +88,17 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("ddp_start_timeout", "default --ddp-start-timeout", default=None)
 
 
+def _flag(name: str) -> str:
+    return "--ddp-trainer" if name == "ddp_trainers" else "--" + name.replace("_", "-")
+
+
 def _raw(config: pytest.Config, name: str) -> tuple[str | None, str]:
     """The option's raw value and where it came from, for error messages."""
     value = config.getoption(name)
     if value is not None:
-        return str(value), "--" + name.replace("_", "-")
+        return str(value), _flag(name)
     value = config.getini(name)
-    if value not in (None, ""):
+    if value not in (None, "", []):
         return str(value), f"ini option {name}"
     return None, ""
 
@@ -144,31 +150,80 @@ def read_settings(config: pytest.Config) -> Settings:
     # rootdir before it knows plugin options, so `--ddp-report ../logs/r.json` moves it up once that
     # file exists
     spec_base = config.invocation_params.dir if typed else config.rootpath
-    config_path, _ = _raw(config, "ddp_config")
-    if config_path is not None and not os.path.isabs(config_path) and config.getoption("ddp_config") is None:
-        config_path = os.path.join(str(config.rootpath), config_path)  # ini paths are relative to rootdir
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
-                    rank_threads=threads, trainers=trainers, config_path=config_path,
-                    report_path=config.getoption("ddp_report"), spec_base=str(spec_base))
+                    rank_threads=threads, trainers=trainers, config_path=_path(config, "ddp_config"),
+                    report_path=_path(config, "ddp_report"), spec_base=str(spec_base))
+
+
+def _path(config: pytest.Config, name: str) -> str | None:
+    """A path option as typed (relative to the working directory), or its ini mirror relative to
+    the rootdir, as pytest's own ini paths are."""
+    path, _ = _raw(config, name)
+    if path is not None and not os.path.isabs(path) and config.getoption(name) is None:
+        path = os.path.join(str(config.rootpath), path)
+    return path
+
+
+def where_given(config: pytest.Config, name: str) -> str:
+    """How the user gave option `name`, the prefix of every usage line about it: `--ddp-config`
+    on the command line, `ini option ddp_config` in an ini file."""
+    return _raw(config, name)[1] or _flag(name)
+
+
+def validate_report_path(config: pytest.Config, settings: Settings) -> None:
+    """A report that cannot be written is one usage line before any test runs, not a traceback after
+    all of them."""
+    if settings.report_path is None:
+        return
+    reason = unwritable_reason(Path(settings.report_path))
+    if reason is not None:
+        raise pytest.UsageError(f"{where_given(config, 'ddp_report')}: {settings.report_path}: {reason}; "
+                                "expected a file path in a directory this user can write")
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why no file can be written at `path`, None if one can; found by trying, without leaving
+    anything behind (os.access says yes to root even where the filesystem refuses, as /proc does)."""
+    if path.is_dir():
+        return "it is a directory"
+    if path.exists():
+        try:
+            with open(path, "a", encoding="utf-8"):  # appends nothing: the file stays as it is
+                pass
+        except OSError as exc:
+            return f"cannot write it ({exc.strerror or exc})"
+        return None
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the directories it will make
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot create a file in {folder} ({exc.strerror or exc})"
+    return None
 
 
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
     """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
     any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
-    from .trainers.spec import SpecError, resolve_spec
+    from .trainers.spec import SpecError, message_prefix, resolve_spec
 
     for spec in settings.trainers:
         try:
             resolve_spec(spec, Path(settings.spec_base))
         except SpecError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            reason = str(exc).removeprefix(message_prefix(spec))
+            raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {spec!r}: {reason}") from None
     if settings.config_path is not None:
         from .config import ConfigError, load_config
 
         try:
             load_config(settings.config_path)
         except ConfigError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            raise pytest.UsageError(f"{where_given(config, 'ddp_config')}: {exc}") from None
 
 
 PATH_OPTIONS = ("--ddp-report", "--ddp-config")
@@ -188,7 +243,7 @@ def refuse_path_taken_for_a_test_path(config: pytest.Config) -> None:
         expected = _ini_file_above(config.invocation_params.dir)
         if expected is not None and expected != config.inipath:
             raise pytest.UsageError(
-                f"{option} {value}: pytest took this existing path for a test path when it chose its rootdir "
+                f"{option}: {value}: pytest took this existing path for a test path when it chose its rootdir "
                 f"(it does so before plugin options are known), so it ignored {expected}; write {option}={value}")
 
 

@@ -8,6 +8,7 @@ module imports neither torch nor lightning.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,10 @@ def pytest_configure(config: pytest.Config) -> None:
         launched.quiet_non_zero_rank(config)  # before the settings read the report path
     options.refuse_path_taken_for_a_test_path(config)
     settings = options.read_settings(config)
+    if by_launcher and not launched.writes_reports():
+        settings = dataclasses.replace(settings, report_path=None)  # rank 0's to write, ini option or not
+    if not hasattr(config, "workerinput"):  # an xdist worker: its controller checked it, and writes it
+        options.validate_report_path(config, settings)
     config.stash[options.SETTINGS_KEY] = settings
     if by_launcher:
         controller: Controller = launched.LauncherController(settings)
@@ -46,6 +51,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[CONTROLLER_KEY] = controller
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
         options.validate_trainers_and_config(config, settings)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    controller = session.config.stash.get(CONTROLLER_KEY, None)
+    if controller is not None:
+        controller.session_finished()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

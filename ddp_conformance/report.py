@@ -87,6 +87,10 @@ class ConformanceReport:
         self.config = config
         self.html = html  # pytest_html, when it is installed and writing a page
         self.results: list[dict[str, Any]] = []
+        self.report_line = ""  # where --ddp-report went, or why it could not be written
+        from .options import where_given
+
+        self.report_origin = where_given(config, "ddp_report")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -139,21 +143,36 @@ class ConformanceReport:
                 "backend": shaped.get("backend", settings.backend), "results": results}
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Write `--ddp-report`. Its path was checked before the tests; if writing fails anyway, the
+        session still ends with its matrix and summary, one line says why, and the exit status is
+        pytest's usage error (unless tests failed): a run that asked for a report and has none fails."""
         from .options import settings_of
 
         path = settings_of(self.config).report_path
-        if path and not hasattr(self.config, "workerinput"):  # under xdist the controller writes it
-            target = Path(path)
+        if not path or hasattr(self.config, "workerinput"):  # under xdist the controller writes it
+            return
+        target = Path(path).absolute()
+        try:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(self.document(), indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            from .options import unwritable_reason
+
+            reason = unwritable_reason(target) or exc.strerror or str(exc)  # "File exists" would not say which
+            self.report_line = f"{self.report_origin}: {path}: could not write the report: {reason}"
+            if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+                session.exitstatus = pytest.ExitCode.USAGE_ERROR
+        else:
+            self.report_line = f"ddp conformance report: {target}"
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         doc = self.document()
-        if not doc["results"]:
-            return
-        terminalreporter.write_sep("=", f"ddp conformance (world size {doc['world_size']}, {doc['backend']})")
-        for line in matrix_lines(doc):
-            terminalreporter.write_line(line)
+        if doc["results"]:
+            terminalreporter.write_sep("=", f"ddp conformance (world size {doc['world_size']}, {doc['backend']})")
+            for line in matrix_lines(doc):
+                terminalreporter.write_line(line)
+        if self.report_line:
+            terminalreporter.write_line(self.report_line)
 
 
 def pytest_configure(config: pytest.Config) -> None:

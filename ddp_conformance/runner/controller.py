@@ -38,6 +38,9 @@ class Controller(Protocol):
                report: pytest.TestReport) -> None:
         """Amend a marked test's report of one phase."""
 
+    def session_finished(self) -> None:
+        """The session's tests are over (pytest_sessionfinish): release what only tests need."""
+
     def close(self) -> None:
         """The session is over: release every process."""
 

@@ -5,7 +5,7 @@ pytest's explanation, the user's conftest `pytest_assertrepr_compare` hooks, tru
 verbosity. Re-implementing pytest's comparison (or calling its private `assertrepr_compare`, whose
 signature changed in 9.2) degrades silently on the next release. Instead the rank builds a real
 Config the way pytest documents for subprocesses (`Config.fromdictargs`, as pytest-xdist's workers
-build theirs) from the parent's command line and option values, and lets pytest's assertion plugin
+build theirs) from the parent's option values, rootdir and ini file, and lets pytest's assertion plugin
 install its own hook caller around each test, exactly as it does for a plain test item.
 
 One private entry point remains: `_pytest.assertion.pytest_runtest_protocol`, driven with a stand-in
@@ -32,8 +32,8 @@ import pytest
 from .protocol import ConfigRecipe
 
 CONFTEST = "conftest.py"
-# the parent's options that must not reach the rank's Config: the rank never runs a session, and
-# capture must stay off so that building the Config cannot swap the rank's stdout/stderr
+# the rank never runs a session, and capture must stay off so that building the Config cannot swap
+# the rank's stdout/stderr
 _RANK_ARGS = ("--capture=no", "-p", "no:cacheprovider")
 
 
@@ -49,7 +49,11 @@ def recipe_of(config: pytest.Config) -> ConfigRecipe:
 
 
 def _make_recipe(config: pytest.Config) -> ConfigRecipe:
-    """Options that do not pickle are left to their defaults in the rank."""
+    """The parent's option values (those that pickle; the rest keep their defaults in the rank) and
+    only the arguments pytest itself must parse again: never the parent's command line, whose
+    options belong to whatever plugins the parent loaded (`--lf` to the cache provider the rank
+    leaves out, `-n` to xdist, `--html` to pytest-html, a conftest's own) and would be
+    "unrecognized arguments" to a rank that lacks one; their values arrive in `options`."""
     picklable = {}
     for name, value in vars(config.option).items():
         with contextlib.suppress(Exception):
@@ -57,10 +61,23 @@ def _make_recipe(config: pytest.Config) -> ConfigRecipe:
             picklable[name] = value
     picklable["capture"] = "no"
     return ConfigRecipe(
-        args=tuple(str(arg) for arg in config.invocation_params.args),
+        args=_rank_args(config),
         options=pickle.dumps(picklable),
         invocation_dir=str(config.invocation_params.dir),
     )
+
+
+def _rank_args(config: pytest.Config) -> tuple[str, ...]:
+    """pytest's own arguments that decide what the rank's Config loads: the parent's rootdir and
+    ini file (pinned: found again from the test paths they could differ), the `-p` plugins it
+    loaded or blocked (a block must be known before plugins autoload), and its test paths (the
+    initial conftests). Every other value comes from the option values, which parsing leaves be."""
+    args = [f"--rootdir={config.rootpath}"]
+    if config.inipath is not None:
+        args.append(f"--config-file={config.inipath}")
+    for plugin in config.option.plugins or ():
+        args += ["-p", str(plugin)]
+    return (*args, *_RANK_ARGS, "--", *(str(arg) for arg in config.option.file_or_dir or ()))
 
 
 def conftests_of(config: pytest.Config, path: Path) -> tuple[str, ...]:
@@ -158,7 +175,7 @@ def _build_config(recipe: ConfigRecipe) -> pytest.Config:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the parent already showed its config warnings
-            config = pytest.Config.fromdictargs(pickle.loads(recipe.options), [*recipe.args, *_RANK_ARGS])
+            config = pytest.Config.fromdictargs(pickle.loads(recipe.options), list(recipe.args))
     finally:
         os.chdir(here)
     if not config.pluginmanager.has_plugin("terminalreporter"):

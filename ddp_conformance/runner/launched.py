@@ -99,6 +99,9 @@ class LauncherController:
                report: pytest.TestReport) -> None:
         self.agree_on_report(item, call.when, report)
 
+    def session_finished(self) -> None:
+        pass  # rank 0 says it is done only at close, after its terminal summary: see finish()
+
     def close(self) -> None:
         self.finish()
 
@@ -219,10 +222,14 @@ def _terminal() -> Any:
     return _TERMINAL if _TERMINAL is not None else sys.__stderr__
 
 
+def writes_reports() -> bool:
+    """Rank 0 writes the reports; the others would clobber its files."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def quiet_non_zero_rank(config: pytest.Config) -> None:
-    """Rank 0 writes the reports; the others would clobber its files (called before junitxml reads
-    its option)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Only rank 0 writes reports (called before junitxml reads its option)."""
+    if writes_reports():
         return
     config.option.xmlpath = None
     config.option.ddp_report = None

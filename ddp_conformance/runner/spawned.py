@@ -7,6 +7,7 @@ judges the answers, and rebuilds a pool whenever a test may have poisoned its gr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -267,13 +268,25 @@ class PoolController:
             self.discard(plan.world_size, plan.backend)
         return Dispatch(judge(run, plan.world_size), prefixed_output(run), notes)
 
+    def session_finished(self) -> None:
+        """Release the pools before pytest-xdist hears that this worker finished: from then on xdist
+        gives a worker 5 s to end (then SIGINT, then os._exit), and a slow plugin's terminal summary
+        (hypothesis': ~5 s here) would spend them, leaving the pools' directories behind."""
+        self.close()
+
     def close(self) -> None:
-        while self.pools:
-            _, pool = self.pools.popitem()
-            pool.stop()
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
+        """Stop every pool and the zygote, each even when stopping another was interrupted (Ctrl-C,
+        xdist's SIGINT): a pool that is not killed and removed leaves its directory behind."""
+        pools, self.pools = list(self.pools.values()), OrderedDict()
+        zygote, self._zygote = self._zygote, None
+        with contextlib.ExitStack() as closing:  # callbacks run last in, first out: the zygote after its pools
+            closing.callback(self._restore_sigterm)
+            if zygote is not None:
+                closing.callback(zygote.close)
+            for pool in pools:
+                closing.callback(pool.stop)
+
+    def _restore_sigterm(self) -> None:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm[0])
             self._previous_sigterm = None

@@ -336,13 +336,15 @@ class RankPool:
     # -- stop ----------------------------------------------------------------------------------
     def stop(self) -> None:
         """Healthy pool: ranks leave the group themselves (bounded), then anything left is killed."""
-        for proc in self.ranks:
-            with contextlib.suppress(OSError, AssertionError):
-                send(self._channel(proc), Stop())
-        end = time.monotonic() + STOP_GRACE_SECONDS
-        for proc in self.ranks:
-            proc.ended_within(end - time.monotonic())
-        self.kill()
+        try:
+            for proc in self.ranks:
+                with contextlib.suppress(OSError, AssertionError):
+                    send(self._channel(proc), Stop())
+            end = time.monotonic() + STOP_GRACE_SECONDS
+            for proc in self.ranks:
+                proc.ended_within(end - time.monotonic())
+        finally:
+            self.kill()  # also when the wait above is interrupted: the ranks and the directory go
 
     def kill(self) -> None:
         """Kill every rank (and its children) without asking a possibly hung group anything."""

@@ -119,10 +119,12 @@ class _Server:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.conn.close()
-        if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+        try:
+            if self.popen.poll() is None:
+                self.popen.kill()
+            self.popen.wait()
+        finally:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class Zygote:
@@ -184,8 +186,9 @@ class Zygote:
         """Kill them: they hold nothing worth a goodbye (their pools are stopped first), and asking one
         to leave cost a session seconds (it hears only between its idle-time imports, and a Python
         that has imported torch takes 1-3 s to tear itself down)."""
-        for server in self.servers:
-            server.close()
+        with contextlib.ExitStack() as closing:  # every one, even when closing another is interrupted
+            for server in self.servers:
+                closing.callback(server.close)
 
 
 class ForkedRank:

@@ -93,7 +93,12 @@ class _CheckedFactory:
 
 
 def _message(spec: str, reason: str) -> str:
-    return f"trainer SPEC {spec!r}: {reason}"
+    return f"{message_prefix(spec)}{reason}"
+
+
+def message_prefix(spec: str) -> str:
+    """What every SpecError's message about `spec` starts with, before the reason."""
+    return f"trainer SPEC {spec!r}: "
 
 
 def _one_line(exc: BaseException) -> str:

@@ -103,8 +103,8 @@ def test_a_report_path_that_would_hide_the_repos_ini_file_is_one_usage_line(pyte
                               timeout=120)
     assert separate.returncode == 4
     assert separate.stderr.strip().splitlines() == [
-        f"ERROR: --ddp-report ../logs/r.json: pytest took this existing path for a test path when it chose its rootdir "
-        f"(it does so before plugin options are known), so it ignored {repo / 'pytest.ini'}; write "
+        "ERROR: --ddp-report: ../logs/r.json: pytest took this existing path for a test path when it chose its "
+        f"rootdir (it does so before plugin options are known), so it ignored {repo / 'pytest.ini'}; write "
         "--ddp-report=../logs/r.json"]
     joined = subprocess.run([*base, "--ddp-report=../logs/r.json"], cwd=repo, capture_output=True, text=True,
                             timeout=120)

@@ -111,3 +111,49 @@ def test_a_change_in_pytests_private_hook_is_reported_not_hidden(pytester: pytes
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pytest's assertion explanations are unavailable in ranks: "
                                  "ExplanationsUnavailable: pytest *no longer a wrapper*"])
+
+
+# every plugin's options, whatever plugins the ranks load: the cache provider's (which ranks leave
+# out), xdist's and pytest-html's (entry points), and a conftest's own
+PLUGIN_OPTIONS = {
+    "lf": ["--lf"],
+    "sw": ["--sw"],
+    "ff": ["--ff"],
+    "nf": ["--nf"],
+    "xdist": ["-n", "1"],
+    "html": ["--html=report.html"],
+    "conftest": ["--team-flag=on"],
+}
+OPTION_CONFTEST = """
+def pytest_addoption(parser):
+    parser.addoption("--team-flag", default="off")
+"""
+FAST_OPTIONS = ("lf", "sw")  # the others cost ~4 s each in the slow run
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(args, id=name, marks=() if name in FAST_OPTIONS else pytest.mark.slow)
+    for name, args in PLUGIN_OPTIONS.items()])
+def test_rank_explains_asserts_whatever_plugin_options_the_parent_was_given(pytester: pytest.Pytester,
+                                                                            options: list[str]) -> None:
+    if options[0] == "-n":
+        pytest.importorskip("xdist", reason="pytest-xdist's option needs pytest-xdist")
+    if options[0].startswith("--html"):
+        pytest.importorskip("pytest_html", reason="pytest-html's option needs pytest-html")
+    pytester.makeconftest(OPTION_CONFTEST)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ddp(world_size=2)
+        def test_ranks(ddp):
+            if ddp.rank == 1:
+                assert [1, 2, 3] == [1, 2, 4]
+        """
+    )
+    result = pytester.runpytest_subprocess(*options)
+    output = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    assert "explanations are unavailable" not in output, output
+    assert _explanations(output, "test_ranks") == ["assert [1, 2, 3] == [1, 2, 4]", "", "At index 2 diff: 3 != 4",
+                                                   "Use -v to get more diff"]

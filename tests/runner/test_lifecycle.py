@@ -274,3 +274,44 @@ def test_a_module_the_marker_preloads_is_in_the_ranks_before_their_first_test(py
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+# a plugin whose terminal summary is slow in an xdist worker (hypothesis' took ~5 s here): xdist
+# sends a worker SIGINT 5 s after it starts taking the workers down, which it does once each has
+# said it finished; pools still open then were interrupted mid-stop and left their directories
+SLOW_WORKER_SUMMARY = """
+import os
+import time
+
+def pytest_terminal_summary():
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        time.sleep(7)
+"""
+
+
+def test_xdist_workers_leave_nothing_behind(pytester: pytest.Pytester, session_tmpdir: Path) -> None:
+    pytest.importorskip("xdist", reason="this test runs pytest-xdist's workers")
+    pytester.makeconftest(SLOW_WORKER_SUMMARY)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ddp(world_size=2)
+        def test_a(ddp):
+            assert ddp.world_size == 2
+
+        @pytest.mark.ddp(world_size=2)
+        def test_b(ddp):
+            assert ddp.world_size == 2
+        """
+    )
+    env = dict(os.environ, TMPDIR=str(session_tmpdir))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", "-n", "2",
+         f"--basetemp={pytester.path / 'basetemp'}", str(pytester.path)],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert "2 passed" in proc.stdout
+    assert leftovers(session_tmpdir) == []  # no ddp-conformance-ws2-*, no ddp-conformance-zygote-*
+    # and no rank outlived its worker: the module's no_orphans fixture

@@ -68,3 +68,25 @@ def test_marker_is_registered_for_strict_markers(pytester: pytest.Pytester) -> N
     result = pytester.runpytest_subprocess("--strict-markers", "--collect-only", "-q")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*test_x*"])
+
+
+def test_the_name_in_pytests_plugins_line_turns_the_plugin_off(pytester: pytest.Pytester) -> None:
+    """`-p no:NAME` with NAME as pytest's `plugins:` line shows it (the distribution, less its version)."""
+    pytester.makepyfile(
+        """
+        import os
+
+        def test_plain(request):
+            assert not request.config.pluginmanager.has_plugin("ddp-conformance")
+            assert not hasattr(request.config.option, "ddp_world_size")
+        """
+    )
+    on = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    shown = next(line for line in on.stdout.lines if line.startswith("plugins:"))
+    name = next(entry.strip().rsplit("-", 1)[0] for entry in shown.removeprefix("plugins:").split(",")
+                if entry.strip().startswith("ddp"))
+    assert name == "ddp-conformance"
+    on.assert_outcomes(failed=1)  # the plugin was on
+    off = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", f"no:{name}")
+    off.assert_outcomes(passed=1)
+    assert "ddp-conformance" not in off.stdout.str()
