@@ -18,7 +18,7 @@ from . import marker, options
 from .runner import launched
 from .runner.controller import Controller
 
-pytest_plugins = ["ddp_conformance.report"]
+pytest_plugins = ["ddp_conformance.report", "ddp_conformance.builds"]
 
 CONTROLLER_KEY = pytest.StashKey[Controller]()
 

@@ -52,3 +52,11 @@ def _is_zombie(pid: int) -> bool:
 
 
 live_ranks = _LiveRanks()
+
+
+def failure_report(lines: list[str]) -> list[str]:
+    """A nested pytest's FAILURES section, without its `= FAILURES =` line: what a user reads of the
+    failures, up to the next `=` separator (the conformance matrix or the short summary)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("=") and " FAILURES " in line)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("=")), len(lines))
+    return lines[start + 1:end]

@@ -8,6 +8,7 @@ failed is still reported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .guard import GuardedAdapter
+from .guard import AdapterError, GuardedAdapter
 
 if TYPE_CHECKING:
     from ..adapter import RankContext, TrainerAdapter
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 class CheckFailed(AssertionError):
     """A conformance violation. The first line of the message is the diagnosis (the bug, not only
     the symptom); the runner puts it in the test's headline, so users fix from that line."""
+
+
+class TrainerBuildError(Exception):
+    """The trainer could not be built (its factory or class raised, or its `setup` with the run's
+    config): no check of it can run. Raised from the trainer's own error, which holds its frames;
+    the suite reports it once and skips the trainer's other checks (`ddp_conformance.builds`)."""
 
 
 def hide_on_verdict(info: Any) -> bool:
@@ -100,9 +107,29 @@ class CheckContext:
         this rank). Counted as the trainer's time: building it may import the trainer's framework
         (Lightning: ~3 s once)."""
         with self.training():
-            adapter = GuardedAdapter(self.factory())
-            adapter.setup(config or self.config, replace(rank_ctx or self.rank_ctx, workdir=self.workdir))
+            adapter = GuardedAdapter(self._built(self.factory))
+            setup = functools.partial(adapter.setup, config or self.config,
+                                      replace(rank_ctx or self.rank_ctx, workdir=self.workdir))
+            if config is None and rank_ctx is None:  # as every check sets it up: a failure here fails them all
+                self._built(setup)
+            else:
+                setup()
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
+
+    def _built(self, build: Callable[[], Any]) -> Any:
+        """`build()`, its failure raised as the trainer's `TrainerBuildError`, from the trainer's own error."""
+        from ..adapter import NotProvided
+        from . import trainer_label
+
+        try:
+            return build()
+        except NotProvided:
+            raise
+        except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc, AdapterError) and exc.__cause__ is not None else exc
+            first = str(cause).splitlines()[0] if str(cause) else ""
+            raise TrainerBuildError(f"trainer {trainer_label(self.spec)} could not be built: "
+                                    f"{type(cause).__name__}{': ' if first else ''}{first}") from cause
 
     def note(self, text: str) -> None:
         """Something the check changed or could not do; reported with the figures."""

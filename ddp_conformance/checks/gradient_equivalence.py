@@ -112,7 +112,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     ddp_g, single_g, own_g = grads_of(wrapped), grads_of(reference), grads_of(own)
     name, delta, scale = max_delta(ddp_g, single_g)
     tolerance = rtol * scale
-    cause = _scale_cause(adapter, single, batch, float(single_loss)) if delta > tolerance else ""
+    cause = _scale_cause(adapter, single, batch, float(single_loss.detach())) if delta > tolerance else ""
     figures: dict[str, Any] = {"precision": ctx.config.trainer.precision, "rtol": rtol,
                                "per_rank_batch": batch.per_rank, "worst_parameter": name, "max_abs_delta": delta,
                                "tolerance": tolerance, "max_rel_delta": delta / scale if scale else 0.0}

@@ -19,7 +19,8 @@ fit a check runs goes through `guarded_fit`:
   first import of torch._dynamo or Lightning on a loaded CI machine can take far longer than
   `4 * stall_after` before the first event, and is not a hang. (Read from outside the process, since
   a rank's own watcher thread can wait ~0.6 s for the GIL while its fit computes.)
-Every rank reads the same files, so every rank reaches the same verdict.
+Every rank reads the same files, so every waiting rank reaches the same verdict; a rank whose own fit
+raised answers with that error at once, and "hangs" is said only of the ranks it leaves waiting.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
 BUSY_FRACTION = 0.5
 # of one core, for the fallback where schedstat is missing: the process's CPU time
 BUSY_CPU_FRACTION = 0.3
+# seconds without progress after another rank's fit raised before this rank says it hangs waiting for it:
+# within the runner's grace after a failure (supervisor.FAILURE_GRACE_SECONDS), so that the waiting
+# rank answers with where it waits instead of being killed as stuck
+FAILED_PEER_STALL = 2.0
 BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
 
 
@@ -207,10 +212,16 @@ def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> s
     if stopped:
         first = progress[stopped[0]]
         step = first.finished if first is not None else 0
-        who = ", ".join(f"rank {r} {_where(progress[r])}" for r in stopped)
         left = "; ".join(f"rank {r} {_where(progress[r])}" for r in waiting)
-        kind = ("failed" if first is not None and first.state == "error"
-                else "left its training loop early" if first is not None and first.stopped else "fell behind")
+        failed = [r for r in stopped if (p := progress[r]) is not None and p.state == "error"]
+        if failed:  # those ranks raised: named with their errors, and "hang" said only of the ranks left waiting
+            who = "; ".join(f"rank {r} failed with {progress[r].error} after "  # type: ignore[union-attr]
+                            f"{progress[r].finished} micro-batch(es)" for r in failed)  # type: ignore[union-attr]
+            return (f"{who} of a {steps}-step fit; {ranks_label(waiting)} "
+                    f"{'hangs' if len(waiting) == 1 else 'hang'} waiting for it ({left}), no progress for "
+                    f"{fmt(idle)} s: a rank that failed leaves the others blocked in DDP's collectives")
+        who = ", ".join(f"rank {r} {_where(progress[r])}" for r in stopped)
+        kind = ("left its training loop early" if first is not None and first.stopped else "fell behind")
         return (f"training hangs: {ranks_label(stopped)} stopped at micro-batch {step} of a {steps}-step fit ({who}) "
                 f"while {left}, no progress for {fmt(idle)} s: a rank that {kind} leaves the others blocked in "
                 "DDP's gradient all-reduce")
@@ -331,7 +342,10 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         thread.join(POLL_SECONDS)
         observer.flush()
         progress = read_all(observer.path.parent, ctx.world_size)
-        if all(p is not None and p.stopped for p in progress) and not thread.is_alive():
+        if not thread.is_alive() and (observer.progress.state == "error"
+                                      or all(p is not None and p.stopped for p in progress)):
+            # a fit that raised is reported with its own error at once; the ranks it leaves waiting
+            # say so themselves (FAILED_PEER_STALL), before the runner counts them as stuck
             return [p for p in progress if p is not None]
         if not thread.is_alive():  # join returns at once now: without a pause this loop would spin a core
             time.sleep(POLL_SECONDS)
@@ -341,8 +355,10 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
             seen, last_change = seqs, now
         idle = now - last_change
         some_stopped = any(p is not None and p.stopped for p in progress)
-        if (some_stopped and idle >= ctx.stall_after) or idle >= 4 * ctx.stall_after:
-            threshold = ctx.stall_after if some_stopped else 4 * ctx.stall_after
+        peer_failed = any(p is not None and p.state == "error" for p in progress)
+        threshold = (min(ctx.stall_after, FAILED_PEER_STALL) if peer_failed
+                     else ctx.stall_after if some_stopped else 4 * ctx.stall_after)
+        if idle >= threshold:
             ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
             raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)
 

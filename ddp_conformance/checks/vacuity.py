@@ -41,7 +41,8 @@ class TrainingEvidence(FitObserver):
 
     def after_step(self, info: StepInfo) -> None:
         if info.loss is not None:
-            self.losses.append(float(info.loss))
+            loss = info.loss
+            self.losses.append(float(loss.detach() if hasattr(loss, "detach") else loss))  # no autograd warning
 
     def summary(self, state: TrainState | None, record: FitRecord | None) -> dict[str, Any]:
         """What this rank saw, as JSON-able values; `params_changed` is None when unknown."""

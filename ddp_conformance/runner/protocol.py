@@ -113,6 +113,7 @@ class RankReply:
     longrepr: str = ""
     shortrepr: str = ""
     message: str = ""
+    location: str = ""  # "path:line" of the failure's innermost frame of the user's; "" when none is
     figures: dict[str, Any] = field(default_factory=dict)
     exc_type: tuple[str, str] | None = None  # (module, qualname) of a failure's exception
     group_healthy: bool = True

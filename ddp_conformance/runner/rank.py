@@ -71,6 +71,7 @@ def serve() -> int:
     fresh_seeds()  # forked ranks share the zygote's RNG state: each starts from its own, as under torchrun
     from . import runtime
 
+    runtime.quiet_harness_warnings()
     send(channel, Ready(pid=os.getpid()))
     while True:
         try:

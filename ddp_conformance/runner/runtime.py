@@ -18,18 +18,37 @@ import pickle
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TextIO
 
 import pytest
 
 from .builtin_fixtures import StandIn
 from .context import DdpContext, DdpPlan
+from .frames import is_harness
 from .introspection import RankAssertions
 from .protocol import FAILED, PASSED, SKIPPED, WARMUP, XFAILED, RankReply, Task
 from .seeds import fresh_seeds
 
 _modules: dict[str, tuple[float, types.ModuleType]] = {}
+
+
+def quiet_harness_warnings() -> None:
+    """Leave out of the rank's output every warning raised by the plugin's own code (a line of the
+    harness is where torch attributes a warning its call caused): the output is the user's, shown
+    as theirs. The user's warnings, and libraries' warnings about the user's calls, still show."""
+    shown = warnings.showwarning
+    if getattr(shown, "harness_quiet", False):
+        return
+
+    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: TextIO | None = None, line: str | None = None) -> None:
+        if not is_harness(filename):
+            shown(message, category, filename, lineno, file, line)
+
+    showwarning.harness_quiet = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
 
 
 def leave_group() -> None:
@@ -129,19 +148,52 @@ def _ensure_parents(name: str, path: str) -> None:
         directory = os.path.dirname(directory)
 
 
-def format_failure(exc: BaseException, func: Any, style: str) -> str:
-    """pytest's own long representation, cut to start at the test function as pytest does."""
+def _walk(tb: types.TracebackType | None) -> Iterator[str]:
+    while tb is not None:
+        yield tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+
+
+def shown_exception(exc: BaseException) -> BaseException:
+    """The exception whose traceback a user should read. A harness exception raised `from` the
+    user's (an adapter call that raised, a trainer that could not be built) has only the plugin's
+    frames: its message is the verdict's headline, and its cause holds the user's frames."""
+    while exc.__cause__ is not None and not any(not is_harness(path) for path in _walk(exc.__traceback__)):
+        exc = exc.__cause__
+    return exc
+
+
+def _message_lines(exc: BaseException) -> str:
+    """pytest's `E` lines of an exception without its traceback."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return "\n".join(f"E   {line}" for line in text.splitlines())
+
+
+def format_failure(exc: BaseException, func: Any, style: str) -> tuple[str, str]:
+    """pytest's own representation of a rank's failure in `style`, with the user's frames only, and
+    where it was raised ("path:line"; "" when no frame is the user's): cut to start at the test
+    function as pytest does, then every frame of the plugin itself left out (`frames.is_harness`).
+    A failure with no frame of the user's (a check's verdict, raised by the harness) is its message."""
     from _pytest._code import Code, ExceptionInfo
 
-    info = ExceptionInfo.from_exception(exc)
-    try:
+    shown = shown_exception(exc)
+    start: tuple[Any, int] | None = None
+    with contextlib.suppress(Exception):
         code = Code.from_function(inspect.unwrap(func))
-        cut = info.traceback.cut(path=code.path, firstlineno=code.firstlineno)
-        if cut == info.traceback:
-            cut = cut.cut(path=code.path)
-        info.traceback = cut.filter(info)
-    except Exception:
-        pass
+        start = (code.path, code.firstlineno)
+
+    def users_frames(info: ExceptionInfo[BaseException]) -> Any:
+        traceback = info.traceback
+        if start is not None and info.value is shown:
+            cut = traceback.cut(path=start[0], firstlineno=start[1])
+            traceback = cut if cut != traceback else cut.cut(path=start[0])
+        return traceback.filter(info).filter(lambda entry: not is_harness(entry.path))
+
+    info = ExceptionInfo.from_exception(shown)
+    own = users_frames(info)
+    if not own:
+        return _message_lines(shown), ""
+    where = f"{own[-1].path}:{own[-1].lineno + 1}"
     import io
 
     from _pytest._io import TerminalWriter
@@ -151,8 +203,8 @@ def format_failure(exc: BaseException, func: Any, style: str) -> str:
     writer = TerminalWriter(file=buffer)
     writer.hasmarkup = False
     # not str(): TerminalRepr.__str__ strips, eating the first source line's indentation
-    info.getrepr(style=style, funcargs=False, truncate_locals=True).toterminal(writer)
-    return buffer.getvalue().rstrip()
+    info.getrepr(style=style, funcargs=False, truncate_locals=True, tbfilter=users_frames).toterminal(writer)
+    return buffer.getvalue().rstrip(), where
 
 
 _assertions = RankAssertions()
@@ -328,8 +380,8 @@ def _record_failure(reply: RankReply, exc: BaseException, func: Any, tbstyle: st
     reply.exc_type = (type(exc).__module__, type(exc).__qualname__)
     reply.message = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
     try:
-        reply.longrepr = format_failure(exc, func, tbstyle) if func else reply.message
-        reply.shortrepr = format_failure(exc, func, "short") if func else reply.message
+        reply.longrepr, reply.location = format_failure(exc, func, tbstyle) if func else (reply.message, "")
+        reply.shortrepr = format_failure(exc, func, "short")[0] if func else reply.message
         if isinstance(exc, AssertionError) and _assertions.error:
             reply.longrepr += f"\n(ddp-conformance: pytest's assertion explanations are unavailable in ranks: " \
                               f"{_assertions.error})"

@@ -28,7 +28,7 @@ from .controller import skip_at_item
 from .introspection import conftests_of, recipe_of
 from .protocol import FAILED, SKIPPED, XFAILED, Task
 from .supervisor import PoolStartError, RankPool
-from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, prefixed_output
+from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, line_repr, prefixed_output
 from .zygote import Zygote
 
 if TYPE_CHECKING:
@@ -135,7 +135,11 @@ class PoolController:
                report: pytest.TestReport) -> None:
         """A failed distributed test is reported by its verdict, not by the parent's traceback."""
         if call.excinfo is not None and isinstance(call.excinfo.value, DistributedTestFailure) and report.failed:
-            report.longrepr = call.excinfo.value.verdict_text
+            failure = call.excinfo.value
+            if item.config.getoption("tbstyle", "auto") == "line" and failure.verdict is not None:
+                report.longrepr = line_repr(failure.verdict.headline, failure.verdict.location, item.nodeid)
+            else:
+                report.longrepr = failure.verdict_text
 
     def _activate(self) -> None:
         """While ranks run, SIGTERM (a CI runner cancelling the job) ends pytest like Ctrl-C: the
@@ -266,7 +270,8 @@ class PoolController:
         self.last_test[(plan.world_size, plan.backend)] = item.nodeid
         if run.poisoned:
             self.discard(plan.world_size, plan.backend)
-        return Dispatch(judge(run, plan.world_size), prefixed_output(run), notes)
+        style = item.config.getoption("tbstyle", "auto")
+        return Dispatch(judge(run, plan.world_size, "long" if style == "auto" else style), prefixed_output(run), notes)
 
     def session_finished(self) -> None:
         """Release the pools before pytest-xdist hears that this worker finished: from then on xdist

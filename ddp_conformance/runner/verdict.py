@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .frames import is_harness, is_users
 from .protocol import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
 
 
@@ -35,24 +36,104 @@ class Verdict:
     exc_type: tuple[str, str] | None = None  # the first failing rank's exception, for xfail(raises=)
     message: str = ""  # the first failing rank's one-line error, whole (the headline clips it)
     figures: dict[int, dict[str, Any]] = field(default_factory=dict)
+    location: str = ""  # "path:line" in the user's code where the first failing rank's error was raised
 
     def render(self) -> str:
         return f"{self.headline}\n{self.body}".rstrip() + "\n"
 
 
-def _end_text(end: RankEnd) -> str:
-    if end.kind == "crashed":
-        return f"{ranks_label([end.rank])} died: {end.detail}"
-    text = f"{ranks_label([end.rank])} {end.detail}"
-    return text + ("\nPython stack at the time:\n" + end.stack if end.stack else "")
+@dataclass
+class CrashLine:
+    """`path:line: message`, the one line `--tb=line` prints of a failure (pytest's ReprFileLocation
+    has the same face: `message` is what JUnit XML reads); `where: message` without a line."""
+
+    path: str
+    lineno: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path if self.lineno is None else f"{self.path}:{self.lineno}"
+        return f"{where}: {self.message}"
 
 
-def judge(run: PoolRun, world_size: int) -> Verdict:
+@dataclass
+class LineRepr:
+    """A failure's report under `--tb=line`: pytest prints `reprcrash` itself, after `toterminal`."""
+
+    reprcrash: CrashLine
+
+    def toterminal(self, out: Any) -> None:
+        pass
+
+    def __str__(self) -> str:
+        return str(self.reprcrash)
+
+
+def line_repr(headline: str, location: str, test: str) -> LineRepr:
+    """The `--tb=line` report of a distributed test: where the user's code raised (else the test's
+    id: a verdict of the harness has no line of the user's), and the verdict's headline."""
+    path, _, line = location.rpartition(":")
+    if path and line.isdigit():
+        return LineRepr(CrashLine(path, int(line), headline))
+    return LineRepr(CrashLine(test, None, headline))
+
+
+def _crash_text(end: RankEnd) -> str:
+    return f"{ranks_label([end.rank])} died: {end.detail}"
+
+
+def _stuck_sections(ends: list[RankEnd], style: str) -> list[str]:
+    """Stuck ranks, those whose stacks show the same user frames merged into one section: where they
+    wait, then (long style) the user's frames, innermost last as in a traceback."""
+    grouped: dict[tuple[str, tuple[tuple[str, int, str], ...]], list[RankEnd]] = {}
+    for end in ends:
+        frames = _frames(end.stack)
+        key = (error_signature(end.detail), tuple(f for f in frames if is_users(f[0])) or tuple(frames))
+        grouped.setdefault(key, []).append(end)
+    sections = []
+    for (_, _), group in grouped.items():
+        ranks = [end.rank for end in group]
+        frames = _frames(group[0].stack)
+        users = [f for f in frames if is_users(f[0])]
+        waiting = _waiting_in(frames)
+        head = f"{ranks_label(ranks)} {group[0].detail}" + (f", waiting in {waiting}" if waiting else "")
+        lines = [f"{'_' * 20} {ranks_label(ranks)} {'_' * 20}", head]
+        if style == "line" or style == "no":
+            pass
+        elif users:
+            shown = users if style != "short" else users[:1]
+            lines += [f'  File "{path}", line {line} in {func}' for path, line, func in reversed(shown)]
+        elif not group[0].stack.strip() or not frames:
+            lines.append(group[0].stack.strip() or "(no stack)")
+        else:  # stuck outside the user's code: say where, in the libraries' frames only
+            lines += [f'  File "{path}", line {line} in {func}'
+                      for path, line, func in reversed([f for f in frames if not is_harness(f[0])][:3])]
+        sections.append("\n".join(lines))
+    return sections
+
+
+def _waiting_in(frames: list[tuple[str, int, str]]) -> str:
+    """The library call a stuck rank waits in (innermost first), named by its function: the
+    collective, a sleep, a lock; "" when its innermost frame is the user's own."""
+    if not frames or is_users(frames[0][0]):
+        return ""
+    collective = _collective(frames)
+    if collective:
+        return collective
+    outermost_library = frames[0]
+    for frame in frames:
+        if is_users(frame[0]) or is_harness(frame[0]):
+            break
+        outermost_library = frame
+    return outermost_library[2]
+
+
+def judge(run: PoolRun, world_size: int, style: str = "long") -> Verdict:
     replies: dict[int, RankReply] = run.replies
     figures = {rank: reply.figures for rank, reply in replies.items() if reply.figures}
     failed = {rank: reply for rank, reply in replies.items() if reply.outcome == FAILED}
     if failed or run.ends:
-        return _failure(run, failed, world_size, figures)
+        return _failure(run, failed, world_size, figures, style)
     outcomes = {reply.outcome for reply in replies.values()}
     for special in (SKIPPED, XFAILED):
         if special in outcomes:
@@ -100,7 +181,7 @@ def _section(text: str, ranks: list[int], texts: dict[int, str]) -> str:
 
 
 def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
-             figures: dict[int, dict[str, Any]]) -> Verdict:
+             figures: dict[int, dict[str, Any]], style: str) -> Verdict:
     # A rank that died is the cause; survivors' "Connection closed by peer" errors are the symptom,
     # so the dead come first in the headline.
     crashed = sorted(r for r, e in run.ends.items() if e.kind == "crashed")
@@ -115,7 +196,11 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
         # shown as its merged group is shown: by the group's lowest rank, whichever rank came first
         signature = error_signature(failed[first].message)
         first = min(r for r, reply in failed.items() if error_signature(reply.message) == signature)
-        causes.append(f"{ranks_label(sorted(failed))} failed: {_clip(failed[first].message)}")
+        alike = sorted(r for r, reply in failed.items() if error_signature(reply.message) == signature)
+        causes.append(f"{ranks_label(alike)} failed: {_clip(failed[first].message)}")
+        others = sorted(set(failed) - set(alike))
+        if others:
+            causes.append(f"{ranks_label(others)} failed after {'it' if len(alike) == 1 else 'them'} (below)")
     if hung:
         reason = "timed out" if run.timed_out else "stuck after another rank failed"
         causes.append(f"{ranks_label(hung)} {reason}")
@@ -126,7 +211,7 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     headline = f"{len(failing)} of {world_size} ranks failed: " + "; ".join(causes)
     sections: list[str] = []
     for rank in crashed:
-        sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
+        sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_crash_text(run.ends[rank])}")
 
     # when a rank died, the others' errors are its echo ("Connection closed by peer"): keep them short
     def shown(reply: RankReply) -> str:
@@ -134,11 +219,11 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
 
     texts = {r: shown(rep) for r, rep in failed.items()}
     sections.extend(_section(text, ranks, texts) for text, ranks in _group(texts))
-    for rank in hung:
-        sections.append(f"{'_' * 20} {ranks_label([rank])} {'_' * 20}\n{_end_text(run.ends[rank])}")
+    sections.extend(_stuck_sections([run.ends[rank] for rank in hung], style))
     exc_type, message = (failed[first].exc_type, failed[first].message) if failed else (None, "")
     return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
-                   figures=figures, exc_type=exc_type, message=message)
+                   figures=figures, exc_type=exc_type, message=message,
+                   location=failed[first].location if failed else "")
 
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -212,6 +297,7 @@ class DistributedTestFailure(Exception):
     what the ranks raised (the conformance report takes a check's verdict from them)."""
 
     verdict_text = ""
+    verdict: Verdict | None = None
     rank_exc_type: tuple[str, str] | None = None
     rank_message = ""
 
@@ -236,6 +322,6 @@ def failure_exception(verdict: Verdict) -> DistributedTestFailure:
         Exception.__init__(failure, text.splitlines()[0] if text else "")
     except Exception:
         failure = DistributedTestFailure(text.splitlines()[0] if text else "")
-    failure.verdict_text = text
+    failure.verdict_text, failure.verdict = text, verdict
     failure.rank_exc_type, failure.rank_message = exc_type, verdict.message
     return failure

@@ -1,7 +1,8 @@
 """The conformance tests: one per trainer SPEC per check, each run on every rank of a gloo/nccl group.
 
 Parametrized in this module's own `pytest_generate_tests` from the session's `--ddp-trainer`
-SPECs, so the suite needs no conftest. The ranks receive strings (SPEC, rootdir, config path) and
+SPECs, so the suite needs no conftest. A trainer that could not be built fails its first check and
+skips the others (`ddp_conformance.builds`). The ranks receive strings (SPEC, rootdir, config path) and
 resolve them again: classes do not cross process boundaries.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddp_conformance.builds import unbuilt_trainers
 from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_labels
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import settings_of
@@ -32,6 +34,10 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     label = trainer_labels(settings.trainers)[trainer]  # the test id's name for it, in the matrix and JSON too
     request.node.user_properties.extend([(TRAINER_PROPERTY, label), (SPEC_PROPERTY, trainer), (CHECK_PROPERTY, check)])
     marked = ddp_test(request.node)
+    unbuilt = unbuilt_trainers(request.config)
+    build = (trainer, marked.world_size if marked is not None else settings.world_size, settings.config_path)
+    unbuilt.skip_if_unbuilt(build, label)
+    unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
     return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,
                         stall_after=stall_seconds(timeout))

@@ -22,14 +22,15 @@ def test_a_rank_that_returned_early_is_named_with_its_step_and_the_waiting_rank(
     assert "left its training loop early" in text
 
 
-def test_a_rank_that_failed_is_named_with_its_error():
+def test_a_rank_that_failed_is_named_with_its_error_and_only_the_waiting_ranks_hang():
     progress = [Progress(rank=0, state="in_step", begun=1, finished=0, last=step(0, 0, 0)),
                 Progress(rank=1, state="error", begun=1, finished=0, error="ValueError: boom"),
                 Progress(rank=2, state="in_step", begun=1, finished=0, last=step(0, 0, 0))]
     text = stall_verdict(progress, 3.0, steps=4)
-    assert text.startswith("training hangs: rank 1 stopped at micro-batch 0")
-    assert "ValueError: boom" in text and "a rank that failed" in text
-    assert "rank 0 waits" in text and "rank 2 waits" in text
+    assert text.startswith("rank 1 failed with ValueError: boom after 0 micro-batch(es) of a 4-step fit; "
+                           "ranks 0, 2 hang waiting for it (rank 0 waits")
+    assert "training hangs" not in text and "rank 1 stopped" not in text
+    assert "rank 2 waits" in text and "a rank that failed" in text
 
 
 def test_without_a_stopped_rank_the_rank_behind_is_named():

@@ -73,7 +73,8 @@ def test_crashes_name_the_rank_and_how_it_died(pytester: pytest.Pytester) -> Non
     result.stdout.fnmatch_lines(["*2 of 2 ranks failed: rank 1 died (killed by SIGKILL (9))*"])
     result.stdout.fnmatch_lines(
         ["*rank 0 failed: RuntimeError: rank 0 gave up; rank 1 stuck after another rank failed*",
-         "*rank 1 no answer 5 s after another rank failed (stuck)*", "*in barrier*"]
+         "*rank 1 no answer 5 s after another rank failed (stuck), waiting in barrier*",
+         "  File *, line * in test_raise_on_one_rank"]
     )
     for name in ("test_exit", "test_segv", "test_sigkill_from_outside", "test_raise_on_one_rank"):
         assert times[name] <= 20 + 10, (name, times[name])
@@ -147,13 +148,12 @@ def test_hangs_are_diagnosed_from_every_rank_stack(pytester: pytest.Pytester) ->
     result.stdout.fnmatch_lines(
         ["*2 of 2 ranks failed: rank 1 never reached the collective (spin_forever at *.py:*) that rank 0 waits in "
          "(barrier); ranks 0, 1 timed out*",
-         "*rank 0 timed out after 4 s*", "*Python stack at the time:*", "*in barrier*",
-         "*rank 1 timed out after 4 s*", "*in spin_forever*"]
+         "*rank 0 timed out after 4 s, waiting in barrier*", "*rank 1 timed out after 4 s*", "*in spin_forever*"]
     )
     result.stdout.fnmatch_lines(
         ["*2 of 2 ranks failed: mismatched collectives: rank 0 in all_reduce, rank 1 in barrier*"]
     )
-    result.stdout.fnmatch_lines(["*_ test_then_hangs _*", "*rank 0 timed out after 4 s*", "*in barrier*",
+    result.stdout.fnmatch_lines(["*_ test_then_hangs _*", "*rank 0 timed out after 4 s, waiting in barrier*",
                                  "*rank 1 timed out after 4 s*", "*in test_then_hangs*"])
     result.stdout.fnmatch_lines(["*_ test_then_segfaults _*", "*rank 0 died (killed by SIGSEGV (11))*",
                                  "*[[]rank 0[]] Fatal Python error: Segmentation fault*"])

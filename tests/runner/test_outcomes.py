@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from tests.helpers import failure_report
+
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
 
@@ -208,3 +210,64 @@ def test_the_same_error_with_rank_specific_values_is_merged_and_output_is_capped
         assert kept == [*range(50), *range(9850, 10_000)], kept[:3]
     assert printed.count("... 9800 lines cut ...") == 2
     assert len(out.splitlines()) < 1000
+
+
+ONE_ASSERT_AT_WORLD_SIZE_4 = """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    @pytest.mark.ddp(world_size=4)
+    def test_rank1_asserts(ddp):
+        x = torch.ones(1)
+        assert ddp.rank != 1
+        dist.all_reduce(x)
+    """
+
+
+@pytest.mark.parametrize(("style", "most_lines"), [("long", 16), ("short", 11), ("line", 1)])
+def test_one_assert_on_one_rank_reads_at_a_glance(pytester: pytest.Pytester, style: str, most_lines: int) -> None:
+    """One assert failing on rank 1 at world size 4 (the others stuck in all_reduce): the verdict
+    first, rank 1's assertion, then ONE section for the three stuck ranks, which wait in the same
+    line of the test: the harness's frames never show, and `--tb` is honoured. (It was 63 lines with
+    three 14-line stacks of the runner's own frames, and 65 with --tb=line.)"""
+    path = pytester.makepyfile(ONE_ASSERT_AT_WORLD_SIZE_4)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--tb={style}")
+    result.assert_outcomes(failed=1)
+    report = failure_report(result.outlines)
+    headline = ("4 of 4 ranks failed: rank 1 failed: AssertionError: assert 1 != 1; "
+                "ranks 0, 2, 3 stuck after another rank failed")
+    text = "\n".join(report)
+    assert "ddp_conformance" not in text and "Python stack" not in text and "runpy" not in text, text
+    if style == "line":  # pytest's own face for --tb=line: path:line: message, one line per failure
+        assert report == [f"{path}:8: {headline}"], text
+        return
+    assert report[1] == headline, text
+    assert len(report) <= most_lines, text
+    assert [line for line in report if line.startswith("_")] == [
+        report[0], "_" * 20 + " rank 1 " + "_" * 20, "_" * 20 + " ranks 0, 2, 3 " + "_" * 20], text
+    assert "ranks 0, 2, 3 no answer 5 s after another rank failed (stuck), waiting in all_reduce" in report, text
+    assert f'  File "{path}", line 9 in test_rank1_asserts' in report, text
+
+
+def test_warnings_of_the_harness_stay_out_of_the_ranks_output(pytester: pytest.Pytester) -> None:
+    """A warning attributed to a line of the plugin (torch's warning about a call the harness made)
+    is not the user's output; the user's own warnings still show, by rank."""
+    pytester.makepyfile(
+        """
+        import warnings
+        import pytest
+        import ddp_conformance.runner.verdict as harness
+
+        @pytest.mark.ddp(world_size=2)
+        def test_warns(ddp):
+            warnings.warn_explicit("the harness's own warning", UserWarning, harness.__file__, 10)
+            warnings.warn("the user's own warning")
+            assert False  # the ranks' output is shown with a failure
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    output = [line for line in result.outlines if line.startswith("[rank ")]
+    warned = [(line[:len("[rank 0]")], line.rsplit(": ", 1)[-1]) for line in output if "UserWarning" in line]
+    assert warned == [("[rank 0]", "the user's own warning"), ("[rank 1]", "the user's own warning")], output

@@ -40,7 +40,8 @@ def test_the_earliest_failure_heads_the_verdict_and_the_dead_come_first() -> Non
     run = PoolRun(arrival=[1, 0])
     run.replies = {0: RankReply(0, FAILED, message="RuntimeError: Connection closed by peer"),
                    1: RankReply(1, FAILED, message="RuntimeError: Timed out waiting")}
-    assert judge(run, 2).headline == "2 of 2 ranks failed: ranks 0, 1 failed: RuntimeError: Timed out waiting"
+    assert judge(run, 2).headline == ("2 of 2 ranks failed: rank 1 failed: RuntimeError: Timed out waiting; "
+                                      "rank 0 failed after it (below)")
     run = PoolRun(arrival=[0, 1])
     run.replies = {0: RankReply(0, FAILED, message="RuntimeError: Connection closed by peer")}
     run.ends = {1: RankEnd(1, "crashed", "exit code 7")}

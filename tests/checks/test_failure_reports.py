@@ -1,0 +1,110 @@
+"""What a user reads when a conformance check fails: the verdict first, their own frames only, a
+trainer that cannot be built reported once, a rank that raised named with its error, and nothing
+of the harness (its frames, its source, its warnings). Each case was measured before it was fixed:
+581 lines for a trainer whose `__init__` raises, ~40 lines of gradient_equivalence.py's source
+above a verdict, and "training hangs: rank 0 stopped" for a rank whose fit raised."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import failure_report
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ["--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider"]
+INIT_RAISES = """
+    from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+    class MyTrainer(TorchTrainer):
+        def __init__(self):
+            super().__init__()
+            raise ValueError("learning_rate must be positive")
+    """
+
+
+def assert_no_harness(text: str) -> None:
+    assert "ddp_conformance" not in text and "def run_check" not in text and "def test_conformance" not in text, text
+
+
+def test_a_trainer_that_cannot_be_built_is_reported_once_with_its_own_traceback(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(init_raises=INIT_RAISES)
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "init_raises.py:MyTrainer", "-rs")
+    result.assert_outcomes(failed=1, skipped=5)
+    report = failure_report(result.outlines)
+    text = "\n".join(report)
+    assert report[1] == ("2 of 2 ranks failed: ranks 0, 1 failed: TrainerBuildError: trainer init_raises.MyTrainer "
+                         "could not be built: ValueError: learning_rate must be positive"), text
+    assert len(report) <= 11, text
+    assert report[-2:] == ["init_raises.py:7: ValueError", ""], text  # the user's frame, and only it
+    assert_no_harness(text)
+    skipped = [line for line in result.outlines if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and skipped[0].startswith("SKIPPED [5]") and skipped[0].endswith(
+        ": trainer init_raises.MyTrainer could not be built (see test "
+        "test_conformance[init_raises.MyTrainer-rank_participation])"), skipped
+    # the whole session, with pytest's header, the matrix, its notes and the -rs line: was 581 lines
+    assert len(result.outlines) <= 41, result.stdout.str()
+
+
+def test_a_build_failure_skips_only_that_trainers_checks(pytester: pytest.Pytester) -> None:
+    """Remembered per trainer: the reference after it runs its checks (and passes them)."""
+    pytester.makepyfile(init_raises=INIT_RAISES)
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "init_raises.py:MyTrainer", "--ddp-trainer",
+                                           "torch", "-k", "rank_participation or data_consistency", "-v")
+    result.assert_outcomes(failed=1, skipped=1, passed=2)
+    result.stdout.fnmatch_lines(["*init_raises.MyTrainer-rank_participation] FAILED*",
+                                 "*init_raises.MyTrainer-data_consistency] SKIPPED*",
+                                 "*torch-rank_participation] PASSED*", "*torch-data_consistency] PASSED*"])
+
+
+@pytest.mark.parametrize(("style", "most_lines"), [("long", 5), ("line", 1)])
+def test_a_verdict_is_its_message_without_the_harness_source_or_warnings(
+        pytester: pytest.Pytester, style: str, most_lines: int) -> None:
+    """A check's verdict is raised by the harness: no frame of it is the user's, so the verdict's
+    message is all there is (it was preceded by ~40 lines of gradient_equivalence.py). The harness's
+    own float() of a loss that requires grad no longer warns in the user's `[rank 0]` output."""
+    mutant = ROOT / "fixtures" / "mutants" / "grads_divided_by_world.py"
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", f"{mutant}:Trainer", "-k", "gradient_equivalence",
+                                           f"--tb={style}")
+    result.assert_outcomes(failed=1)
+    report = failure_report(result.outlines)
+    text = "\n".join(report)
+    headline = ("2 of 2 ranks failed: ranks 0, 1 failed: CheckFailed: gradients are exactly 1/2 of the "
+                "single-process gradients although the loss is a mean")
+    assert len(report) <= most_lines, text
+    assert report[0 if style == "line" else 1].startswith(
+        headline if style != "line" else f"test_conformance.py::test_conformance[grads_divided_by_world-"
+                                         f"gradient_equivalence]: {headline}"), text
+    assert_no_harness(text)
+    assert "[rank " not in result.stdout.str(), result.stdout.str()  # no output of the ranks at all
+
+
+def test_a_rank_whose_fit_raised_is_named_with_its_error_and_only_the_waiting_rank_hangs(
+        pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(fit_raises="""
+        from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+        class MyTrainer(TorchTrainer):
+            def fit(self, *args, **kwargs):
+                if self.ctx.rank == 0:
+                    import a_module_this_machine_lacks  # noqa: F401
+                return super().fit(*args, **kwargs)
+        """)
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "fit_raises.py:MyTrainer",
+                                           "-k", "rank_participation")
+    result.assert_outcomes(failed=1)
+    report = failure_report(result.outlines)
+    text = "\n".join(report)
+    assert report[1].startswith("2 of 2 ranks failed: rank 0 failed: AdapterError: trainer ") and report[1].endswith(
+        "fit raised ModuleNotFoundError: No module named 'a_module_this_machine_lacks' (called as fit(4)); "
+        "rank 1 failed after it (below)"), text
+    assert "training hangs" not in text and "rank 0 stopped" not in text, text
+    assert len(report) <= 14, text
+    assert "fit_raises.py:7: ModuleNotFoundError" in report, text  # rank 0: the user's frame
+    rank1 = report[report.index("_" * 20 + " rank 1 " + "_" * 20) + 1]
+    assert rank1.startswith("E   CheckFailed: rank 0 failed with AdapterError: ") and \
+        "; rank 1 hangs waiting for it (rank 1 waits before wrapping the model" in rank1, text
+    assert_no_harness(text)
