@@ -15,8 +15,9 @@ sessions that never train anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ class NotProvided(Exception):
     """The adapter cannot give what a check asked for. A check turns it into a skip with `str(exc)`."""
 
     def __init__(self, adapter: object, what: str, why: str = "") -> None:
-        name = adapter if isinstance(adapter, str) else adapter_name(adapter)
+        name = adapter_name(adapter)
         message = f"trainer {name} does not provide {what}" if what else f"trainer {name}"
         super().__init__(f"{message}: {why}" if why else message)
         self.what = what
@@ -239,6 +240,25 @@ class TrainerAdapter:
         raise NotProvided(self, "resume", "the trainer cannot resume from a checkpoint")
 
 
+# the name the session gives the trainer a check is running (its test id's), one check at a time per rank
+_SESSION_NAME: list[str] = []
+
+
+@contextlib.contextmanager
+def named(name: str) -> Iterator[None]:
+    """While a check runs, every message names its trainer as the test id and the report do."""
+    _SESSION_NAME.append(name)
+    try:
+        yield
+    finally:
+        _SESSION_NAME.pop()
+
+
 def adapter_name(adapter: object) -> str:
-    """The name a report shows for an adapter instance or class."""
+    """The name a report shows for an adapter instance or class: the session's name for it inside a
+    check, else its own `name` or class name."""
+    if _SESSION_NAME:
+        return _SESSION_NAME[-1]
+    if isinstance(adapter, str):
+        return adapter
     return getattr(adapter, "name", "") or getattr(adapter, "__name__", "") or type(adapter).__name__

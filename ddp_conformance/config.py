@@ -1,4 +1,5 @@
-"""The run configuration: a Lightning-style YAML (the `trainer:` section DDP guides publish), validated into frozen dataclasses.
+"""The run configuration: a Lightning-style YAML (the `trainer:` section DDP guides publish), validated
+into frozen dataclasses.
 
 Users already write `trainer: strategy: _target_: lightning.pytorch.strategies.DDPStrategy ...`; a
 conformance run reads that same file, so the checks exercise the DDP kwargs people actually ship.

@@ -8,8 +8,9 @@ controller, which alone prints the matrix and writes the JSON. No torch, no chec
 
 JSON shape: {"schema_version": 3, "world_size": N, "backend": "...", "results": [{"trainer", "spec",
 "check", "outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]} (`trainer` is the name
-the test id and the matrix use, `spec` the SPEC as given), described field by field by the JSON Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full
-verdict on failure (the headline pytest shows is clipped), the reason on skip, "" on pass.
+the test id and the matrix use, `spec` the SPEC as given), described field by field by the JSON
+Schema `report.schema.json` beside this module (`schema()`). `message` is the check's full verdict
+on failure (the headline pytest shows is clipped), the reason on skip, "" on pass.
 
 With pytest-html installed and `--html` given, each conformance test's row carries its figures and
 verdict (`pytest_html.extras`); without it nothing here touches pytest-html.

@@ -40,6 +40,7 @@ class CheckOptions:
     spec_base: str  # what a relative file SPEC is relative to (see options.Settings.spec_base)
     config_path: str | None
     stall_after: float
+    trainer_name: str = ""  # the session's name for the trainer (`trainer_labels`); its own label when empty
 
 
 def stall_seconds(timeout: float) -> float:
@@ -86,15 +87,16 @@ def run_check(check_id: str, spec: str, options: CheckOptions, ddp: object, work
     __tracebackhide__ = hide_on_verdict
     import pytest
 
-    from ..adapter import NotProvided
+    from ..adapter import NotProvided, named
 
     if check_id not in CHECK_IDS:
         raise ValueError(f"unknown check {check_id!r}; known: {', '.join(CHECK_IDS)}")
     module = importlib.import_module(f"{__name__}.{check_id}")
     try:
-        ctx = CheckContext.create(check_id, spec, options.spec_base, options.config_path,
-                                  options.stall_after, ddp, workdir)
-        return ctx.finish(module.run(ctx))
+        with named(options.trainer_name or trainer_label(spec)):
+            ctx = CheckContext.create(check_id, spec, options.spec_base, options.config_path,
+                                      options.stall_after, ddp, workdir)
+            return ctx.finish(module.run(ctx))
     except NotProvided as exc:
         pytest.skip(str(exc))
     raise AssertionError("unreachable")  # pragma: no cover - pytest.skip raises

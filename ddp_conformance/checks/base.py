@@ -118,7 +118,7 @@ class CheckContext:
 
     def _built(self, build: Callable[[], Any]) -> Any:
         """`build()`, its failure raised as the trainer's `TrainerBuildError`, from the trainer's own error."""
-        from ..adapter import NotProvided
+        from ..adapter import NotProvided, adapter_name
         from . import trainer_label
 
         try:
@@ -128,7 +128,7 @@ class CheckContext:
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, AdapterError) and exc.__cause__ is not None else exc
             first = str(cause).splitlines()[0] if str(cause) else ""
-            raise TrainerBuildError(f"trainer {trainer_label(self.spec)} could not be built: "
+            raise TrainerBuildError(f"trainer {adapter_name(trainer_label(self.spec))} could not be built: "
                                     f"{type(cause).__name__}{': ' if first else ''}{first}") from cause
 
     def note(self, text: str) -> None:

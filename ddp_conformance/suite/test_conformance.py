@@ -40,7 +40,7 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
     return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,
-                        stall_after=stall_seconds(timeout))
+                        stall_after=stall_seconds(timeout), trainer_name=label)
 
 
 @pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo

@@ -77,7 +77,7 @@ def _labels_in_matrix(replace: str) -> list[str]:
 
 def test_a_trainer_name_is_broken_between_its_parts_never_inside_a_word() -> None:
     labels = _labels_in_matrix("conformance_adapter.MyTrainer")
-    assert ["conformance_adapter.", "MyTrainer"] == labels[labels.index("conformance_adapter."):][:2], labels
+    assert labels[labels.index("conformance_adapter."):][:2] == ["conformance_adapter.", "MyTrainer"], labels
     labels = _labels_in_matrix("averyveryverylongtrainerfilenamewithoutanybreak.Trainer")
     assert "averyveryverylongtrainerfilenamewithoutanybreak." in labels, labels  # wider than the column: whole
 
