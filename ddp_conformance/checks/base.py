@@ -56,6 +56,9 @@ class CheckContext:
     figures: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     recordings: dict[str, FitRecord] = field(default_factory=dict)  # what each guarded fit really did
+    # the adapters this check built: one may hold notes of its own (a script's files it wrote outside its
+    # checkpoint directory), reported with the check's
+    built: list[Any] = field(default_factory=list)
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True
@@ -114,6 +117,7 @@ class CheckContext:
                 self._built(setup)
             else:
                 setup()
+        self.built.append(adapter)
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
     def _built(self, build: Callable[[], Any]) -> Any:
@@ -165,6 +169,8 @@ class CheckContext:
 
     def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
         self.figures.update(figures)
+        for adapter in self.built:
+            self.notes.extend(n for n in getattr(adapter, "conformance_notes", ()) if n not in self.notes)
         if self.notes:
             self.figures["notes"] = list(self.notes)
         total = time.perf_counter() - self.began
