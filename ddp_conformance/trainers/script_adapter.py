@@ -21,12 +21,15 @@ scratch; right of it (optional): the one that resumes. Placeholders:
 `{{` and `}}` are literal braces; anything else in braces is a SPEC error naming the argument. Paths
 are relative to the SPEC's base (where it was typed; the rootdir for an ini line).
 
-Every fit and resume runs in a fresh working directory of its own, so files a script writes beside
-itself (a `snapshot.pt` it resumes from whenever it exists) never reach another fit or session. So
-that the script's relative inputs (`data/`, `config/...`) still resolve, that directory holds a
-symbolic link to each entry of the SPEC's base, except checkpoint-like files (`*.pt`, `*.pth`,
-`*.ckpt`, `*.safetensors`) a run there left behind. Files the script writes into that directory are
-named in the check's notes; writes through a link into one of the base's own folders do land there.
+Every fit runs in a fresh working directory of its own, which is its `{checkpoint_dir}`, and every
+resume in the fresh copy of the checkpoint's directory: a script that snapshots to `snapshot.pt` in its
+working directory and resumes from it whenever it exists (the PyTorch DDP tutorial's
+multigpu_torchrun.py) has its checkpoint found by the resume and by no other fit or session. So that
+the script's relative inputs (`data/`, `config/...`) still resolve, that directory holds a symbolic
+link to each entry of the SPEC's base while the script runs (removed after it), except checkpoint-like
+files (`*.pt`, `*.pth`, `*.ckpt`, `*.safetensors`) an earlier run there left, which are named. Files
+the script writes in the base itself (through one of those links, or by an absolute path) are named
+in the check's notes; the base is not listed when it holds more than 20000 files.
 
 Steps are counted, not trusted: the harness sees every optimizer step, and a fit that took another
 number than it asked for (a step flag that counts micro-batches, steps hard-coded in the SPEC) stops
@@ -213,12 +216,11 @@ class ScriptAdapter(TrainerAdapter):
             observer: Any = None) -> None:
         if checkpoint_at and self.resume_command is None:  # a checkpoint no command line could resume from
             raise self._no_resume()
-        run = self._own_dir()
-        directory = Path(checkpoint_dir) if checkpoint_dir else run / "checkpoints"
+        directory = Path(checkpoint_dir) if checkpoint_dir else self._own_dir()
         directory.mkdir(parents=True, exist_ok=True)
         values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(directory),
                   "checkpoint_at": str(checkpoint_at) if checkpoint_at else None}
-        taken, overran = self._run(self.fit_command, run, values, steps, past_save=bool(checkpoint_at))
+        taken, overran = self._run(self.fit_command, directory, values, steps, past_save=bool(checkpoint_at))
         self._check_steps(self.fit_command, f"fit({steps})", steps, taken, overran)
         if checkpoint_at:
             _remember_step(self.ctx.workdir, directory, checkpoint_at)
@@ -237,52 +239,61 @@ class ScriptAdapter(TrainerAdapter):
         if self.resume_command is None:
             raise self._no_resume()
         checkpoint = Path(checkpoint)
-        run = self._own_dir()
-        copy = run / "checkpoint"
-        shutil.copytree(checkpoint.parent, copy)
+        copy = self._own_dir()
+        shutil.copytree(checkpoint.parent, copy, dirs_exist_ok=True)
         values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(copy),
                   "checkpoint": str(copy / checkpoint.name)}
         start = _remembered_step(self.ctx.workdir, checkpoint.parent)
         left = steps - start if start is not None else None
-        taken, overran = self._run(self.resume_command, run, values, left, past_save=False)
+        taken, overran = self._run(self.resume_command, copy, values, left, past_save=False)
         if left is not None:
             self._check_steps(self.resume_command, f"resume(step {start} -> {steps})", left, taken, overran)
 
-    def _run(self, command: Command, run: Path, values: dict[str, str | None], limit: int | None,
+    def _run(self, command: Command, cwd: Path, values: dict[str, str | None], limit: int | None,
              past_save: bool) -> tuple[int, bool]:
-        """Run `command` in a fresh working directory under `run`, counting its optimizer steps:
+        """Run `command` in `cwd` (its checkpoint directory, fresh), counting its optimizer steps:
         (steps taken, whether it tried to take more than `limit`)."""
-        cwd = run / "cwd"
-        self._working_directory(cwd)
+        before = _listing(self.base)
         epochs = command.carrier("epochs") is not None
         counter = _StepCounter(limit, stop_at_limit=epochs and not past_save)
-        with counter:
+        with self._linked_inputs(cwd), counter:
             run_script(command.argv(values), cwd)
-        self._name_strays(cwd, command)
+        self._name_writes(before, command)
         return counter.taken, counter.overran and not epochs
 
-    def _working_directory(self, cwd: Path) -> None:
-        """`cwd`, holding a link to each entry of the SPEC's base but checkpoint-like files: the
-        script's relative inputs resolve, and what it writes stays in `cwd`."""
-        cwd.mkdir()
-        hidden = []
+    @contextlib.contextmanager
+    def _linked_inputs(self, cwd: Path) -> Iterator[None]:
+        """A link in `cwd` to each entry of the SPEC's base while the script runs, so that its relative
+        inputs (`data/`, `config/`) resolve; removed after it, so that the directory holds what the
+        script wrote. Checkpoint-like files (an earlier run's `snapshot.pt`) are not linked."""
+        links, hidden = [], []
         for entry in sorted(self.base.iterdir()):
+            link = cwd / entry.name
             if entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
                 hidden.append(entry.name)
-                continue
-            (cwd / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+            elif not os.path.lexists(link):
+                link.symlink_to(entry, target_is_directory=entry.is_dir())
+                links.append(link)
         if hidden:
             self._note(f"not shown to the script: {', '.join(hidden[:3])} in {self.base} (a checkpoint left by "
                        "an earlier run there; every fit starts in a fresh working directory)")
+        try:
+            yield
+        finally:
+            for link in links:
+                if link.is_symlink():
+                    link.unlink()
 
-    def _name_strays(self, cwd: Path, command: Command) -> None:
-        written = sorted(str(Path(root, name).relative_to(cwd)) for root, _, names in os.walk(cwd)
-                         for name in names if not Path(root, name).is_symlink())
+    def _name_writes(self, before: dict[str, tuple[int, int]] | None, command: Command) -> None:
+        """Name the files the script wrote into the SPEC's folder, outside {checkpoint_dir}."""
+        after = _listing(self.base)
+        if before is None or after is None:
+            return
+        written = sorted(path for path, stamp in after.items() if before.get(path) != stamp)
         if written:
             more = f" and {len(written) - 3} more" if len(written) > 3 else ""
             self._note(f"{Path(command.script).name} ({command.line} line) wrote {', '.join(written[:3])}{more} "
-                       "outside {checkpoint_dir}, into its working directory: a fresh one for every fit, so no "
-                       "later fit or session sees them")
+                       f"in {self.base}, outside {{checkpoint_dir}}: files a later fit or session may read")
 
     def _note(self, text: str) -> None:
         if text not in self.conformance_notes:
@@ -316,6 +327,24 @@ class ScriptAdapter(TrainerAdapter):
         parent = self.ctx.workdir / "script-fits"
         parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"rank{self.ctx.rank}-", dir=parent))
+
+
+def _listing(folder: Path, limit: int = 20000) -> dict[str, tuple[int, int]] | None:
+    """(mtime, size) of every file under `folder` by relative path, not following links; None for a
+    folder too large to list before and after every fit."""
+    found: dict[str, tuple[int, int]] = {}
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if d not in (".git", "__pycache__")]
+        for name in names:
+            path = Path(root, name)
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            found[str(path.relative_to(folder))] = (stat.st_mtime_ns, stat.st_size)
+            if len(found) > limit:
+                return None
+    return found
 
 
 def _step_file(workdir: Path, directory: Path) -> Path:

@@ -5,6 +5,7 @@ of one (fixtures/scripts: each in the shape a public or independently written tr
 from __future__ import annotations
 
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -39,21 +40,47 @@ def fit_dirs(workdir: Path) -> list[Path]:
 
 # -- every fit in a fresh working directory ---------------------------------------------------------
 
-def test_a_snapshot_in_the_cwd_stays_with_its_fit_and_is_named(tmp_path):
+def test_a_snapshot_in_the_cwd_stays_with_its_fit_and_its_resume_finds_it(tmp_path):
     """The DDP tutorial's multigpu_torchrun.py resumes from ./snapshot.pt whenever it exists: run
     in the SPEC's folder, the second fit resumed the first's (and trained 0 steps), and the file
-    stayed there for the next session."""
+    stayed there for the next session. Its working directory is its checkpoint directory now."""
     repo = repo_with(tmp_path, "snapshot_in_cwd.py")
     (repo / "data").mkdir()
     (repo / "data" / "scale.txt").write_text("2.0")  # read relative to the cwd: still found
-    adapter = adapter_for("script:snapshot_in_cwd.py {steps} --save_every 1", repo, tmp_path / "work")
+    adapter = adapter_for("script:snapshot_in_cwd.py {steps} | snapshot_in_cwd.py {steps}", repo,
+                          tmp_path / "work")
     for _ in range(2):
         adapter.fit(3)  # each trains 3 steps: the steps check would stop a fit that resumed the other's
     assert sorted(p.name for p in repo.iterdir()) == ["data", "snapshot_in_cwd.py"]
-    assert len(fit_dirs(tmp_path / "work")) == 2
-    assert adapter.conformance_notes == [
-        "snapshot_in_cwd.py (fit line) wrote snapshot.pt outside {checkpoint_dir}, into its working directory: "
-        "a fresh one for every fit, so no later fit or session sees them"]
+    assert [sorted(p.name for p in d.iterdir()) for d in fit_dirs(tmp_path / "work")] == [["snapshot.pt"]] * 2
+    checkpoint_dir = tmp_path / "work" / "ckpt"
+    adapter.fit(2, checkpoint_dir=checkpoint_dir, checkpoint_at=2)
+    assert sorted(p.name for p in checkpoint_dir.iterdir()) == ["snapshot.pt"]  # the links to data/ are gone
+    adapter.resume(checkpoint_dir / "snapshot.pt", 5)  # 3 steps from its snapshot, else the steps check says 5
+    assert adapter.conformance_notes == []
+
+
+WRITES_INTO_DATA = """
+    from pathlib import Path
+
+    import torch
+
+    Path("data/cache.txt").write_text("written through the link")
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+"""
+
+
+def test_files_written_into_the_spec_folder_are_named(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    (repo / "train.py").write_text(textwrap.dedent(WRITES_INTO_DATA))
+    adapter = adapter_for("script:train.py", repo, tmp_path / "work")
+    adapter.fit(1)
+    assert adapter.conformance_notes == [f"train.py (fit line) wrote data/cache.txt in {repo}, outside "
+                                         "{checkpoint_dir}: files a later fit or session may read"]
 
 
 def test_a_snapshot_an_earlier_run_left_in_the_spec_folder_is_not_shown(tmp_path):
