@@ -179,8 +179,10 @@ def _fields(arg: str) -> list[tuple[str, str | None]]:
             raise ScriptSpecError(f"argument {arg!r}: a lone {text!r} (write {text * 2!r} for a literal brace)")
         field = _FIELD.fullmatch(match.group(1))
         if field is None:
+            hint = ("; the directory holding the checkpoint is {checkpoint_dir}"
+                    if match.group(1).startswith("checkpoint") else "")
             raise ScriptSpecError(f"argument {arg!r}: {text} is not a placeholder (expected {{name}} or "
-                                  f"{{{DEFAULTED}:-N}})")
+                                  f"{{{DEFAULTED}:-N}}{hint})")
         found.append((field["name"], field["default"]))
     return found
 

@@ -182,7 +182,8 @@ def test_an_epoch_script_that_ignores_its_epochs_is_one_line(tmp_path):
 
 @pytest.mark.parametrize(("body", "reason"), [
     ("train.py --steps {steps} | train.py --out {checkpoint.parent}",
-     "argument '{checkpoint.parent}': {checkpoint.parent} is not a placeholder"),
+     "argument '{checkpoint.parent}': {checkpoint.parent} is not a placeholder (expected {name} or "
+     "{checkpoint_at:-N}; the directory holding the checkpoint is {checkpoint_dir})"),
     ("train.py --steps {steps} | train.py --at {checkpoint_at}",
      "{checkpoint_at} is not a placeholder of the resume line (known there: {steps}, {epochs}, {checkpoint_dir}, "
      "{checkpoint}"),
