@@ -31,13 +31,16 @@ files (`*.pt`, `*.pth`, `*.ckpt`, `*.safetensors`) an earlier run there left, wh
 the script writes in the base itself (through one of those links, or by an absolute path) are named
 in the check's notes; the base is not listed when it holds more than 20000 files.
 
-Steps are counted, not trusted: the harness sees every optimizer step, and a fit that took another
-number than it asked for (a step flag that counts micro-batches, steps hard-coded in the SPEC) stops
-the trainer's checks with one line naming the argument that carried `{steps}`, or saying none did.
-A line with `{epochs}` is given that many epochs as steps were asked (every epoch has at least one
-step) and the harness ends the script after its asked-for optimizer steps; a fit that checkpoints
-ends at the next optimizer step instead, after the epoch-end save (such a SPEC tells resume_fidelity
-that it checkpoints at epoch ends).
+Steps are counted, not trusted: the harness sees every optimizer step, and ends a script when it
+begins a step past the steps asked, so every fit the checks judge took the steps they asked for. A
+script ended so is noted, naming the argument that carried `{steps}` (nanoGPT's `--max_iters` counts
+from 0 inclusive, and saves at the top of the iteration after the step it checkpoints). A fit that
+took fewer steps, or a line where no argument carries `{steps}` or `{epochs}` (steps hard-coded in the
+SPEC), stops the trainer's checks with one line naming the SPEC and that argument. A line with
+`{epochs}` is given that many epochs as steps were asked (every epoch has at least one step) and the
+harness ends the script right after its asked-for optimizer steps; a fit that checkpoints ends at
+the next optimizer step instead, after the epoch-end save (such a SPEC tells resume_fidelity that it
+checkpoints at epoch ends). A resume counts from the step its checkpoint was written at.
 
 In every rank the script runs as torchrun would run it: `sys.argv`, RANK / LOCAL_RANK / WORLD_SIZE /
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`, its own folder first on
@@ -261,7 +264,7 @@ class ScriptAdapter(TrainerAdapter):
         with self._linked_inputs(cwd), counter:
             run_script(command.argv(values), cwd)
         self._name_writes(before, command)
-        return counter.taken, counter.overran and not epochs
+        return counter.taken, counter.overran and not (epochs and past_save)
 
     @contextlib.contextmanager
     def _linked_inputs(self, cwd: Path) -> Iterator[None]:
@@ -302,20 +305,27 @@ class ScriptAdapter(TrainerAdapter):
             self.conformance_notes.append(text)
 
     def _check_steps(self, command: Command, call: str, asked: int, taken: int, overran: bool) -> None:
-        """Stop the trainer's checks, naming the SPEC, when the script took other steps than asked."""
+        """Stop the trainer's checks, naming the SPEC, when the script took fewer steps than asked or
+        no argument gives it its steps; note it when it began more (it was ended at the steps asked,
+        so what the checks judged is the run they asked for)."""
         from ..checks.base import TrainerBuildError
 
-        epochs = command.carrier("epochs")
-        if not overran and (taken == asked or (epochs is not None and taken > asked)):
+        carrier = command.carrier("steps") or command.carrier("epochs")
+        if carrier is not None and overran:
+            self._note(f"{call}: the script began optimizer step {asked + 1} and was ended after step {asked}: "
+                       f"does the argument {carrier!r} count from 0, or count something else than optimizer steps?")
             return
-        if epochs is not None:
-            why = (f"the argument {epochs!r} gave it {asked} epochs (each at least one optimizer step), "
-                   "so the script does not train for that argument's epochs")
+        if taken == asked and not overran:
+            return
+        if carrier is None:
+            why = (f"no argument of its {command.line} line carries {{steps}} or {{epochs}} (steps fixed in the "
+                   "SPEC or the script?)")
+        elif command.carrier("steps") is None:
+            why = (f"the argument {carrier!r} gave it {asked} epochs (each at least one optimizer step), so the "
+                   "script does not train for that argument's epochs")
         else:
-            carrier = command.carrier("steps")
             why = (f"the argument {carrier!r} does not give the script its optimizer steps (does that flag count "
-                   "micro-batches, epochs, or from 0?)" if carrier else
-                   f"no argument of its {command.line} line carries {{steps}} (steps fixed in the SPEC or the script?)")
+                   "micro-batches, or epochs?)")
         shown = f"more than {asked}" if overran else str(taken)
         raise TrainerBuildError(f"trainer SPEC {self.spec!r}: {call} took {shown} optimizer steps, not {asked}: {why}")
 
