@@ -56,6 +56,9 @@ class CheckContext:
     figures: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     recordings: dict[str, FitRecord] = field(default_factory=dict)  # what each guarded fit really did
+    # the notes of the adapters this check built that keep some (a script's files written outside its
+    # checkpoint directory), reported with the check's; the lists, not the adapters, which hold models
+    adapter_notes: list[list[str]] = field(default_factory=list)
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True
@@ -114,6 +117,9 @@ class CheckContext:
                 self._built(setup)
             else:
                 setup()
+        notes = getattr(adapter, "conformance_notes", None)
+        if isinstance(notes, list):
+            self.adapter_notes.append(notes)
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
     def _built(self, build: Callable[[], Any]) -> Any:
@@ -165,6 +171,8 @@ class CheckContext:
 
     def finish(self, figures: dict[str, Any]) -> dict[str, Any]:
         self.figures.update(figures)
+        for notes in self.adapter_notes:
+            self.notes.extend(n for n in notes if isinstance(n, str) and n not in self.notes)
         if self.notes:
             self.figures["notes"] = list(self.notes)
         total = time.perf_counter() - self.began

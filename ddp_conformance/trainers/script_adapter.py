@@ -1,33 +1,70 @@
 """A training script checked by its command line: `script:` SPECs, no adapter code.
 
-    script:train.py --steps {steps} --ckpt-dir {checkpoint_dir} --ckpt-at {checkpoint_at} \
+    script:train.py --steps {steps} --ckpt-dir {checkpoint_dir} --ckpt-every {checkpoint_at} \
         | train.py --steps {steps} --resume {checkpoint}          (one line)
 
-Left of ` | `: the command line that trains from scratch; right of it (optional): the one that
-resumes. Placeholders: `{steps}` (optimizer steps to train to), `{checkpoint_dir}` (a directory of
-this fit's own, always given), `{checkpoint_at}` (the step to checkpoint at, 0 for none) and, in the
-resume line, `{checkpoint}` (the file to resume from). Paths are relative to where the SPEC was
-typed (the rootdir for an ini line).
+Left of `|` (a `|` outside quotes, spaces around it or not): the command line that trains from
+scratch; right of it (optional): the one that resumes. Placeholders:
 
-In every rank the script runs as torchrun would run it: `sys.argv`, the working directory, RANK /
-LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`.
-Its `init_process_group` joins the harness's group (the call is answered by the group that already
-exists) and its `destroy_process_group` leaves it standing for the next check; `sys.exit(0)` ends a
-fit, any other exit code fails it. What the script did is observed through the harness's hooks
-(`checks/observe.py`), so rank_participation, sampler_disjointness and resume_fidelity judge the
-real run; checks that need a piece in isolation (a dataset, a model, a loss) skip with the reason.
+    {steps}            both lines  optimizer steps to train to (the resume line: in all, counting the
+                                   checkpoint's)
+    {epochs}           both lines  for a script that takes epochs, not steps: see below
+    {checkpoint_dir}   fit line    a directory of this fit's own, always given (empty)
+                       resume line the directory holding the checkpoint to resume (a fresh copy of it):
+                                   for a script that resumes from its output directory (nanoGPT's
+                                   `--out_dir`, which loads out_dir/ckpt.pt)
+    {checkpoint_at}    fit line    the step to checkpoint at, 0 when the fit writes no checkpoint;
+    {checkpoint_at:-N}             the same, but N when it writes none (`--eval_interval
+                                   {checkpoint_at:-100000}`: an interval flag that must not be 0)
+    {checkpoint}       resume line the checkpoint file to resume from (in that fresh copy)
+
+`{{` and `}}` are literal braces; anything else in braces is a SPEC error naming the argument. Paths
+are relative to the SPEC's base (where it was typed; the rootdir for an ini line).
+
+Every fit runs in a fresh working directory of its own, which is its `{checkpoint_dir}`, and every
+resume in the fresh copy of the checkpoint's directory: a script that snapshots to `snapshot.pt` in its
+working directory and resumes from it whenever it exists (the PyTorch DDP tutorial's
+multigpu_torchrun.py) has its checkpoint found by the resume and by no other fit or session. So that
+the script's relative inputs (`data/`, `config/...`) still resolve, that directory holds a symbolic
+link to each entry of the SPEC's base while the script runs (removed after it), except checkpoint-like
+files (`*.pt`, `*.pth`, `*.ckpt`, `*.safetensors`) an earlier run there left, which are named. Files
+the script writes in the base itself (through one of those links, or by an absolute path) are named
+in the check's notes; the base is not listed when it holds more than 20000 files.
+
+Steps are counted, not trusted: the harness sees every optimizer step, and ends a script when it
+begins a step past the steps asked, so every fit the checks judge took the steps they asked for. A
+script ended so is noted, naming the argument that carried `{steps}` (nanoGPT's `--max_iters` counts
+from 0 inclusive, and saves at the top of the iteration after the step it checkpoints). A fit that
+took fewer steps, or a line where no argument carries `{steps}` or `{epochs}` (steps hard-coded in the
+SPEC), stops the trainer's checks with one line naming the SPEC and that argument. A line with
+`{epochs}` is given that many epochs as steps were asked (every epoch has at least one step) and the
+harness ends the script right after its asked-for optimizer steps; a fit that checkpoints ends at
+the next optimizer step instead, after the epoch-end save (such a SPEC tells resume_fidelity that it
+checkpoints at epoch ends). A resume counts from the step its checkpoint was written at.
+
+In every rank the script runs as torchrun would run it: `sys.argv`, RANK / LOCAL_RANK / WORLD_SIZE /
+LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`, its own folder first on
+`sys.path`. Its `init_process_group` joins the harness's group (the call is answered by the group
+that already exists) and its `destroy_process_group` leaves it standing for the next check;
+`sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
+harness's hooks (`checks/observe.py`), so rank_participation, sampler_disjointness and
+resume_fidelity judge the real run; checks that need a piece in isolation (a dataset, a model, a
+loss) skip with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import runpy
 import shlex
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -35,54 +72,163 @@ from unittest import mock
 from ..adapter import NotProvided, TrainerAdapter
 
 SCRIPT_PREFIX = "script:"
-FIT_FIELDS = {"steps", "checkpoint_dir", "checkpoint_at"}
-RESUME_FIELDS = {"steps", "checkpoint"}
+FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at")
+RESUME_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint")
+DEFAULTED = "checkpoint_at"  # the one placeholder that can be absent, so the one with a `:-N` form
+# files a run in the SPEC's folder may have left for the script to resume from: not linked into a fit's cwd
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
+_BRACES = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_FIELD = re.compile(r"(?P<name>[a-z_]+)(?::-(?P<default>[^{}]*))?")
 
 
 class ScriptSpecError(ValueError):
     """A `script:` SPEC that cannot run: missing script, unknown placeholder."""
 
 
-def parse_script_spec(spec: str, base: Path) -> tuple[list[str], list[str] | None]:
-    """The fit and resume command lines of a `script:` SPEC, script paths made absolute."""
+class _Enough(BaseException):
+    """Ends a script at the step the harness asked for (a BaseException: a script's `except
+    Exception` must not swallow it)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command line of a `script:` SPEC: the script's absolute path, then its argument templates."""
+
+    line: str  # "fit" or "resume"
+    script: str
+    args: tuple[str, ...]
+
+    def carrier(self, name: str) -> str | None:
+        """The first argument that carries the placeholder `name`, with the flag before it when it is
+        the flag's value (`--max_iters {steps}`)."""
+        for at, arg in enumerate(self.args):
+            if any(f == name for f, _ in _fields(arg)):
+                flag = self.args[at - 1] if at and self.args[at - 1].startswith("-") and arg.startswith("{") else ""
+                return f"{flag} {arg}" if flag else arg
+        return None
+
+    def argv(self, values: dict[str, str | None]) -> list[str]:
+        return [self.script, *(_render(arg, values) for arg in self.args)]
+
+
+def parse_script_spec(spec: str, base: Path) -> tuple[Command, Command | None]:
+    """The fit and resume command lines of a `script:` SPEC; one-line ScriptSpecError if it cannot run."""
     body = spec[len(SCRIPT_PREFIX):].strip()
-    fit_text, _, resume_text = body.partition(" | ")
-    lines = [_command(fit_text, base, FIT_FIELDS)]
-    if resume_text.strip():
-        lines.append(_command(resume_text, base, RESUME_FIELDS))
-    return lines[0], lines[1] if len(lines) > 1 else None
+    parts = _split_lines(body)
+    if len(parts) > 2:
+        raise ScriptSpecError("more than one '|' outside quotes: expected script:train.py ARGS [| train.py ARGS]")
+    try:
+        lines = [shlex.split(part) for part in parts]
+    except ValueError as exc:
+        raise ScriptSpecError(f"cannot split it into arguments: {exc}") from None
+    fit = _command("fit", lines[0], base, FIT_FIELDS)
+    resume = _command("resume", lines[1], base, RESUME_FIELDS) if len(lines) > 1 else None
+    return fit, resume
 
 
-def _command(text: str, base: Path, fields: set[str]) -> list[str]:
-    argv = shlex.split(text)
+def _split_lines(body: str) -> list[str]:
+    """`body` cut at each `|` outside quotes, spaces around it or not (`a|b` is two lines); a quoted
+    or escaped `|` stays an argument's."""
+    parts, start, quote, escaped = [], 0, "", False
+    for at, char in enumerate(body):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "|":
+            parts.append(body[start:at])
+            start = at + 1
+    return [*parts, body[start:]]
+
+
+def _command(line: str, argv: list[str], base: Path, known: tuple[str, ...]) -> Command:
     if not argv:
-        raise ScriptSpecError("no script named: expected script:path/to/train.py ARGS [| path/to/train.py ARGS]")
+        raise ScriptSpecError(f"the {line} line names no script: expected script:path/to/train.py ARGS "
+                              "[| path/to/train.py ARGS]")
     script = Path(argv[0]) if Path(argv[0]).is_absolute() else base / argv[0]
     if not script.is_file():
         raise ScriptSpecError(f"no such script: {script}")
     for arg in argv[1:]:
-        try:
-            arg.format(**dict.fromkeys(fields, ""))
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ScriptSpecError(f"argument {arg!r}: unknown placeholder {exc} (known: "
-                                  f"{', '.join('{' + f + '}' for f in sorted(fields))})") from None
-    return [str(script), *argv[1:]]
+        for name, default in _fields(arg):
+            if name in known and default is not None and name != DEFAULTED:
+                raise ScriptSpecError(f"argument {arg!r}: only {{{DEFAULTED}}} takes a ':-N' default, "
+                                      f"{{{name}}} is always given")
+            if name not in known or (default is not None and name != DEFAULTED):
+                shown = "{" + name + (f":-{default}" if default is not None else "") + "}"
+                raise ScriptSpecError(f"argument {arg!r}: {shown} is not a placeholder of the {line} line "
+                                      f"({_known(line, known)})")
+    return Command(line, str(script), tuple(argv[1:]))
+
+
+def _known(line: str, known: tuple[str, ...]) -> str:
+    names = ", ".join("{" + name + "}" for name in known)
+    extra = f", {{{DEFAULTED}:-N}}" if DEFAULTED in known else ""
+    return f"known there: {names}{extra}; {{{{ and }}}} for literal braces"
+
+
+def _fields(arg: str) -> list[tuple[str, str | None]]:
+    """(name, default or None) of each placeholder in `arg`; ScriptSpecError for anything in braces
+    that is not one (`{checkpoint.parent}`, a lone brace)."""
+    found = []
+    for match in _BRACES.finditer(arg):
+        text = match.group(0)
+        if text in ("{{", "}}"):
+            continue
+        if text in ("{", "}"):
+            raise ScriptSpecError(f"argument {arg!r}: a lone {text!r} (write {text * 2!r} for a literal brace)")
+        field = _FIELD.fullmatch(match.group(1))
+        if field is None:
+            hint = ("; the directory holding the checkpoint is {checkpoint_dir}"
+                    if match.group(1).startswith("checkpoint") else "")
+            raise ScriptSpecError(f"argument {arg!r}: {text} is not a placeholder (expected {{name}} or "
+                                  f"{{{DEFAULTED}:-N}}{hint})")
+        found.append((field["name"], field["default"]))
+    return found
+
+
+def _render(arg: str, values: dict[str, str | None]) -> str:
+    def value(match: re.Match[str]) -> str:
+        text = match.group(0)
+        if text in ("{{", "}}"):
+            return text[0]
+        field = _FIELD.fullmatch(match.group(1))
+        assert field is not None  # parse_script_spec checked every argument
+        given = values.get(field["name"])
+        if given is None:
+            return field["default"] if field["default"] is not None else "0"
+        return given
+
+    return _BRACES.sub(value, arg)
 
 
 class ScriptAdapter(TrainerAdapter):
     """Runs the SPEC's command lines as the trainer's fit and resume."""
 
     def __init__(self, spec: str, base: Path) -> None:
-        self.fit_argv, self.resume_argv = parse_script_spec(spec, base)
-        self.base = base
-        self.name = Path(self.fit_argv[0]).stem
+        self.spec = spec
+        self.fit_command, self.resume_command = parse_script_spec(spec, base)
+        self.base = Path(base)
+        self.name = Path(self.fit_command.script).stem
+        self.conformance_notes: list[str] = []  # the checks add them to their figures (CheckContext.finish)
+        if self.fit_command.carrier("epochs"):
+            self.checkpoint_every = "epoch"
 
     def fit(self, steps: int, *, checkpoint_dir: Path | None = None, checkpoint_at: int | None = None,
             observer: Any = None) -> None:
-        if checkpoint_at and self.resume_argv is None:  # a checkpoint no command line could resume from
+        if checkpoint_at and self.resume_command is None:  # a checkpoint no command line could resume from
             raise self._no_resume()
         directory = Path(checkpoint_dir) if checkpoint_dir else self._own_dir()
-        run_script(self.fit_argv, self.base, steps=steps, checkpoint_dir=directory, checkpoint_at=checkpoint_at or 0)
+        directory.mkdir(parents=True, exist_ok=True)
+        values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(directory),
+                  "checkpoint_at": str(checkpoint_at) if checkpoint_at else None}
+        taken, overran = self._run(self.fit_command, directory, values, steps, past_save=bool(checkpoint_at))
+        self._check_steps(self.fit_command, f"fit({steps})", steps, taken, overran)
+        if checkpoint_at:
+            _remember_step(self.ctx.workdir, directory, checkpoint_at)
 
     def make_dataset(self, size: int | None = None) -> Any:
         raise NotProvided(self, "make_dataset", "a script: SPEC runs the whole script; its dataset cannot be built "
@@ -93,16 +239,95 @@ class ScriptAdapter(TrainerAdapter):
                                               "its own (write a small adapter for the checks that need one)")
 
     def resume(self, checkpoint: Path, steps: int, *, observer: Any = None) -> None:
-        if self.resume_argv is None:
-            raise self._no_resume()
-        run_script(self.resume_argv, self.base, steps=steps, checkpoint=self._copy_of(Path(checkpoint)))
-
-    def _copy_of(self, checkpoint: Path) -> Path:
-        """The checkpoint's directory copied into a fresh one: a script that resumes from its
+        """Resume a fresh copy of the checkpoint's directory: a script that resumes from its
         --checkpoint_path also saves there, and the check resumes the same checkpoint more than once."""
-        directory = self._own_dir()
-        shutil.copytree(checkpoint.parent, directory, dirs_exist_ok=True)
-        return directory / checkpoint.name
+        if self.resume_command is None:
+            raise self._no_resume()
+        checkpoint = Path(checkpoint)
+        copy = self._own_dir()
+        shutil.copytree(checkpoint.parent, copy, dirs_exist_ok=True)
+        values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(copy),
+                  "checkpoint": str(copy / checkpoint.name)}
+        start = _remembered_step(self.ctx.workdir, checkpoint.parent)
+        left = steps - start if start is not None else None
+        taken, overran = self._run(self.resume_command, copy, values, left, past_save=False)
+        if left is not None:
+            self._check_steps(self.resume_command, f"resume(step {start} -> {steps})", left, taken, overran)
+
+    def _run(self, command: Command, cwd: Path, values: dict[str, str | None], limit: int | None,
+             past_save: bool) -> tuple[int, bool]:
+        """Run `command` in `cwd` (its checkpoint directory, fresh), counting its optimizer steps:
+        (steps taken, whether it tried to take more than `limit`)."""
+        before = _listing(self.base)
+        epochs = command.carrier("epochs") is not None
+        counter = _StepCounter(limit, stop_at_limit=epochs and not past_save)
+        with self._linked_inputs(cwd), counter:
+            run_script(command.argv(values), cwd)
+        self._name_writes(before, command)
+        return counter.taken, counter.overran and not (epochs and past_save)
+
+    @contextlib.contextmanager
+    def _linked_inputs(self, cwd: Path) -> Iterator[None]:
+        """A link in `cwd` to each entry of the SPEC's base while the script runs, so that its relative
+        inputs (`data/`, `config/`) resolve; removed after it, so that the directory holds what the
+        script wrote. Checkpoint-like files (an earlier run's `snapshot.pt`) are not linked."""
+        links, hidden = [], []
+        for entry in sorted(self.base.iterdir()):
+            link = cwd / entry.name
+            if entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
+                hidden.append(entry.name)
+            elif not os.path.lexists(link):
+                link.symlink_to(entry, target_is_directory=entry.is_dir())
+                links.append(link)
+        if hidden:
+            self._note(f"not shown to the script: {', '.join(hidden[:3])} in {self.base} (a checkpoint left by "
+                       "an earlier run there; every fit starts in a fresh working directory)")
+        try:
+            yield
+        finally:
+            for link in links:
+                if link.is_symlink():
+                    link.unlink()
+
+    def _name_writes(self, before: dict[str, tuple[int, int]] | None, command: Command) -> None:
+        """Name the files the script wrote into the SPEC's folder, outside {checkpoint_dir}."""
+        after = _listing(self.base)
+        if before is None or after is None:
+            return
+        written = sorted(path for path, stamp in after.items() if before.get(path) != stamp)
+        if written:
+            more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+            self._note(f"{Path(command.script).name} ({command.line} line) wrote {', '.join(written[:3])}{more} "
+                       f"in {self.base}, outside {{checkpoint_dir}}: files a later fit or session may read")
+
+    def _note(self, text: str) -> None:
+        if text not in self.conformance_notes:
+            self.conformance_notes.append(text)
+
+    def _check_steps(self, command: Command, call: str, asked: int, taken: int, overran: bool) -> None:
+        """Stop the trainer's checks, naming the SPEC, when the script took fewer steps than asked or
+        no argument gives it its steps; note it when it began more (it was ended at the steps asked,
+        so what the checks judged is the run they asked for)."""
+        from ..checks.base import TrainerBuildError
+
+        carrier = command.carrier("steps") or command.carrier("epochs")
+        if carrier is not None and overran:
+            self._note(f"{call}: the script began optimizer step {asked + 1} and was ended after step {asked}: "
+                       f"does the argument {carrier!r} count from 0, or count something else than optimizer steps?")
+            return
+        if taken == asked and not overran:
+            return
+        if carrier is None:
+            why = (f"no argument of its {command.line} line carries {{steps}} or {{epochs}} (steps fixed in the "
+                   "SPEC or the script?)")
+        elif command.carrier("steps") is None:
+            why = (f"the argument {carrier!r} gave it {asked} epochs (each at least one optimizer step), so the "
+                   "script does not train for that argument's epochs")
+        else:
+            why = (f"the argument {carrier!r} does not give the script its optimizer steps (does that flag count "
+                   "micro-batches, or epochs?)")
+        shown = f"more than {asked}" if overran else str(taken)
+        raise TrainerBuildError(f"trainer SPEC {self.spec!r}: {call} took {shown} optimizer steps, not {asked}: {why}")
 
     def _no_resume(self) -> NotProvided:
         return NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
@@ -116,10 +341,84 @@ class ScriptAdapter(TrainerAdapter):
         return Path(tempfile.mkdtemp(prefix=f"rank{self.ctx.rank}-", dir=parent))
 
 
-def run_script(argv: list[str], cwd: Path, **fields: Any) -> None:
+def _listing(folder: Path, limit: int = 20000) -> dict[str, tuple[int, int]] | None:
+    """(mtime, size) of every file under `folder` by relative path, not following links; None for a
+    folder too large to list before and after every fit."""
+    found: dict[str, tuple[int, int]] = {}
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if d not in (".git", "__pycache__")]
+        for name in names:
+            path = Path(root, name)
+            try:
+                stat = path.lstat()
+            except OSError:
+                continue
+            found[str(path.relative_to(folder))] = (stat.st_mtime_ns, stat.st_size)
+            if len(found) > limit:
+                return None
+    return found
+
+
+def _step_file(workdir: Path, directory: Path) -> Path:
+    key = hashlib.sha1(str(Path(directory).resolve()).encode()).hexdigest()[:16]
+    return Path(workdir) / "script-fits" / "checkpoint-steps" / key
+
+
+def _remember_step(workdir: Path, directory: Path, step: int) -> None:
+    """The step a fit checkpointed at, by directory: a resume is handed rank 0's checkpoint (in the
+    workdir all ranks share) and must know where it starts to count the steps it takes."""
+    path = _step_file(workdir, directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(step))
+
+
+def _remembered_step(workdir: Path, directory: Path) -> int | None:
+    try:
+        return int(_step_file(workdir, directory).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _StepCounter:
+    """Counts the optimizer steps of the first optimizer that steps (a script's main one), and ends
+    the script (`_Enough`) when it begins a step past `limit`, or, with `stop_at_limit`, right after
+    step `limit`."""
+
+    def __init__(self, limit: int | None, stop_at_limit: bool) -> None:
+        self.limit, self.stop_at_limit = limit, stop_at_limit
+        self.taken, self.overran = 0, False
+        self._main: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _StepCounter:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._stack.callback(register_optimizer_step_pre_hook(self._before).remove)
+        self._stack.callback(register_optimizer_step_post_hook(self._after).remove)
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, _tb: Any) -> bool:
+        self._stack.close()
+        return kind is _Enough
+
+    def _before(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if self._main is None:
+            self._main = optimizer
+        if optimizer is self._main and self.limit is not None and self.taken >= self.limit:
+            self.overran = True
+            raise _Enough
+
+    def _after(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if optimizer is not self._main:
+            return
+        self.taken += 1
+        if self.stop_at_limit and self.taken == self.limit:
+            raise _Enough
+
+
+def run_script(argv: list[str], cwd: Path) -> None:
     """Run the script once, in this process, as torchrun started in `cwd` would start it."""
-    args = [arg.format(**fields) for arg in argv[1:]]
-    script = argv[0]
+    script, args = argv[0], argv[1:]
     with _as_torchrun(script, args, cwd):
         try:
             runpy.run_path(script, run_name="__main__")
