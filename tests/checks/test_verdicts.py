@@ -277,7 +277,7 @@ def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from ddp_conformance.checks.gradients import world_of_one
+    from ddp_conformance.checks.one_world import world_of_one
 
     trainer_module = types.ModuleType("users_training_script")
     exec("from torch.distributed import get_world_size as ws, get_rank", trainer_module.__dict__)
