@@ -24,6 +24,8 @@ import pytest
 
 from ..runner.seeds import fresh_seeds
 from .base import CheckContext, all_gather, hide_on_verdict
+from .observe import through_subsets
+from .sampling import per_rank_split
 from .states import item_digest
 
 SAMPLES = 16
@@ -54,9 +56,29 @@ def _mine(ctx: CheckContext) -> dict[str, Any]:
     try:
         size = len(dataset)  # type: ignore[arg-type]
         indices = sample_indices(size)
-        return {"size": size, "digests": _read(dataset, indices)}
+        return {"size": size, "digests": _read(dataset, indices), **_split_of(dataset)}
     except (TypeError, NotImplementedError, KeyError) as exc:
         return {"unindexable": f"{type(dataset).__name__}: {type(exc).__name__}: {exc}".splitlines()[0][:200]}
+
+
+def _split_of(dataset: Any) -> dict[str, Any]:
+    """Where the dataset is a Subset (a random_split's part): the underlying indices it holds and the
+    underlying dataset's sampled items, so that ranks holding other parts of the same data are told
+    apart from ranks holding other data."""
+    base, index_map = through_subsets(dataset)
+    if index_map is None:
+        return {}
+    size = len(base)
+    return {"universe": sorted(set(index_map)), "base": (size, _read(base, sample_indices(size)))}
+
+
+def _per_rank_split(everyone: list[dict[str, Any]], rank: int) -> str:
+    """The diagnosis when rank `rank`'s dataset differs from rank 0's only by which part of the same
+    underlying data its Subset holds (sampler_disjointness names the same cause)."""
+    views = (everyone[0], everyone[rank])
+    if any("base" not in view for view in views) or views[0]["base"] != views[1]["base"]:
+        return ""
+    return per_rank_split([view["universe"] for view in views]).replace("ranks 0 and 1", f"ranks 0 and {rank}")
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
@@ -85,6 +107,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if bad:
         rank, where = bad[0], differing[bad[0]]
         others = f"; ranks {', '.join(map(str, bad))} all differ" if len(bad) > 1 else ""
+        split = _per_rank_split(everyone, rank)
+        if split:
+            raise ctx.fail(f"rank {rank}'s dataset differs from rank 0's at index {where[0]} ({len(where)} of "
+                           f"{len(stable)} sampled items differ{others}): {split}", **figures)
         raise ctx.fail(f"rank {rank}'s dataset differs from rank 0's at index {where[0]} ({len(where)} of "
                        f"{len(stable)} sampled items differ{others}): is the data generated without a seed, or "
                        "ordered by a set of strings or by hash()? Every torchrun process starts from its own RNG "

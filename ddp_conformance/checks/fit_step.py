@@ -26,8 +26,9 @@ from typing import Any
 
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, closeness, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, closeness, max_delta, scale_ratio, single_process_adapter
 from .observe import FitRecord, unwrapped
+from .one_world import world_of_one
 from .progress import guarded_fit
 
 LABEL = "fit_step"

@@ -32,8 +32,9 @@ import pytest
 from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
-from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter, world_of_one
+from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
 from .observe import unwrapped
+from .one_world import world_of_one
 from .states import item_digest
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3

@@ -6,16 +6,12 @@ single-process side computed as in a world of one process.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 from .base import CheckContext, fmt
 from .observe import unwrapped
+from .one_world import world_of_one
 
 
 def grads_of(model: Any) -> dict[str, Any]:
@@ -91,48 +87,6 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     total = sum(g.numel() for _, g in pairs)
     return (f"the single-process gradients clamped to +-{fmt(bound)}: gradient clipping by value (the {clipped} of "
             f"{total} elements beyond it are not judged, the others match)")
-
-
-# packages whose own reads of the world must stay real: torch's DDP and collectives, Lightning's
-# strategies (they read it through `torch.distributed.`, patched below) and the harness itself
-_LIBRARIES = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ddp_conformance"})
-
-
-@contextlib.contextmanager
-def world_of_one() -> Iterator[None]:
-    """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
-    and `get_rank()` say 1 and 0, as do the names the trainer's modules imported
-    (`from torch.distributed import get_world_size [as ws]`), and WORLD_SIZE/RANK say so too, so a
-    loss scaled by the world size is not scaled in the reference it is compared with. (A name bound
-    elsewhere, in a closure or a default argument, keeps the real value: docs/checks.md.)"""
-    import torch.distributed as dist
-
-    stand_ins = {"get_world_size": lambda group=None: 1, "get_rank": lambda group=None: 0}
-    originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in stand_ins.items()}
-    with contextlib.ExitStack() as stack:
-        for module, name, stand_in in _imported_bindings(originals):
-            stack.enter_context(mock.patch.object(module, name, stand_in))
-        for name, stand_in in stand_ins.items():
-            stack.enter_context(mock.patch.object(dist, name, stand_in))
-        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
-        yield
-
-
-def _imported_bindings(originals: dict[int, tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:
-    """(module, name, stand-in) for every global of a module outside `_LIBRARIES` that is one of
-    `originals` (id -> (original, stand-in)): a patch of `torch.distributed` alone misses them."""
-    found = []
-    for module_name, module in list(sys.modules.items()):
-        if module_name.partition(".")[0] in _LIBRARIES:
-            continue
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        for name, value in list(namespace.items()):
-            entry = originals.get(id(value))
-            if entry is not None and entry[0] is value:
-                found.append((module, name, entry[1]))
-    return found
 
 
 def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:

@@ -470,7 +470,7 @@ def _new_pass(loader: Any) -> LoaderPass:
     if sampler is None:
         sampler = getattr(loader, "sampler", None)
     dataset = getattr(loader, "dataset", None)
-    base, index_map = _through_subsets(dataset)
+    base, index_map = through_subsets(dataset)
     length = _length(loader)
     size = _length(dataset)  # None for an iterable dataset
     from torch.utils.data import IterableDataset
@@ -493,7 +493,7 @@ def _length(sized: Any) -> int | None:
         return None
 
 
-def _through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
+def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
     """The dataset a chain of `Subset`s views, and the map from the outer indices to its own (None
     when the loader's dataset is no Subset): a rank that trains on its own Subset shard draws
     indices that mean nothing next to another rank's until they are the underlying dataset's."""

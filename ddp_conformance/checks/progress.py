@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import pytest
+
 from ..adapter import FitObserver, StepInfo
 from ..runner.process import cpu_seconds
 from ..runner.verdict import ranks_label
@@ -363,11 +365,14 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
             raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)
 
 
-def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], label: str = "probe") -> int | None:
+def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], label: str = "probe", *,
+                      lengths_are_mine: bool = True) -> int | None:
     """Optimizer steps in one epoch of the trainer's real training loader, from a one-step fit
     (`fit(observer)` must run `adapter.fit(1, ...)`): its loader's length over the micro-batches per
     optimizer step. Every rank must agree: unequal lengths leave ranks waiting in DDP's all-reduce,
-    which is a verdict. None when the loader has no length."""
+    which is sampler_disjointness's verdict (`lengths_are_mine`); for any other check they are a
+    precondition it cannot judge without, so a skip naming sampler_disjointness. None when the
+    loader has no length."""
     __tracebackhide__ = hide_on_verdict
     from .base import all_gather
 
@@ -378,8 +383,11 @@ def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], labe
     if any(n is None for n in lengths):
         return None
     if len(set(lengths)) > 1:
-        raise ctx.fail(f"the ranks' training loaders have different lengths ({lengths} batches): uneven batch counts "
-                       "leave ranks waiting in DDP's all-reduce at the end of every epoch (the batching differs "
-                       "between ranks)", batches_per_rank=lengths)
+        uneven = f"the ranks' training loaders have different lengths ({lengths} batches)"
+        if not lengths_are_mine:
+            pytest.skip(f"{uneven}, so their epochs end at different steps and no one checkpoint step is the same "
+                        "point of every rank's epoch: not judged here; sampler_disjointness judges the batch counts")
+        raise ctx.fail(f"{uneven}: uneven batch counts leave ranks waiting in DDP's all-reduce at the end of every "
+                       "epoch (the batching differs between ranks)", batches_per_rank=lengths)
     accumulate = max(1, record.micro_batches // max(1, record.optimizer_steps))
     return max(1, math.ceil(lengths[0] / accumulate))

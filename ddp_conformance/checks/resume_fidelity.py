@@ -142,7 +142,7 @@ def _epoch_steps(ctx: CheckContext, config: Any) -> int:
     `make_loader`, else an assumption the notes state."""
     from ..adapter import NotProvided
 
-    observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs))
+    observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs), lengths_are_mine=False)
     if observed is not None:
         return observed
     adapter = ctx.adapter(config)

@@ -27,7 +27,7 @@ from . import schemes
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import dropped_tail
 from .progress import guarded_fit, probe_epoch_steps
-from .sampling import analyse, analyse_started_epoch
+from .sampling import analyse, analyse_started_epoch, per_rank_split
 
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
@@ -86,6 +86,9 @@ def _within_the_universe(ctx: CheckContext, complete: list[Any], size: int) -> t
     universes = all_gather(complete[0].universe)
     if all(u is None for u in universes):
         return [p.batches for p in complete], size
+    split = per_rank_split(universes)
+    if split:
+        raise ctx.fail(split, subsets_per_rank=[None if u is None else len(u) for u in universes])
     batches = [p.base_batches() for p in complete]
     size = max(s for s in all_gather(complete[0].base_size or size) if s is not None)
     union = sorted(set().union(*(range(size) if u is None else u for u in universes)))

@@ -234,3 +234,28 @@ def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: boo
                 return SamplingVerdict(False, _replay_diagnosis(replay, always, per_rank, dataset_size, sampler),
                                        figures)
     return SamplingVerdict(True, "", figures)
+
+
+#: the remedy for Subsets drawn differently on each rank (data_consistency gives it too)
+SEED_THE_SPLIT = ("seed the split's generator identically on every rank "
+                  "(random_split(..., generator=torch.Generator().manual_seed(seed)))")
+
+
+def per_rank_split(universes: list[list[int] | None]) -> str:
+    """A diagnosis when the ranks' loaders are over Subsets of one dataset that hold different but
+    overlapping samples (`universes`: the underlying indices each rank's Subset holds): a split drawn
+    on each rank from its own RNG, or seeded per rank. Disjoint Subsets are per-rank shards, a scheme
+    of its own; identical ones are one split shared by all."""
+    held = [set(u) for u in universes if u is not None]
+    if len(held) < len(universes) or all(h == held[0] for h in held):
+        return ""
+    pairs = [(len(held[r] & held[s]), r, s) for r in range(len(held)) for s in range(r + 1, len(held))
+             if held[r] != held[s]]
+    common, r, s = max(pairs)
+    if not common:
+        return ""
+    return (f"each rank draws from its own random_split subset: the ranks' datasets are Subsets of one dataset "
+            f"that hold different samples (ranks {r} and {s} have {common} of their {len(held[r])} and {len(held[s])} "
+            f"in common; a split drawn from each process's own RNG, or seeded per rank), so the ranks' shares overlap "
+            f"and {len(set().union(*held)) - len(set.intersection(*held))} samples are not in every rank's split, "
+            f"whatever the sampler's seed: {SEED_THE_SPLIT}")

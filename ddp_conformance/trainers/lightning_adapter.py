@@ -30,7 +30,12 @@ it does in a real fit, observed through public hooks, never re-implemented:
 The harness decides what its runs need (devices, strategy, max_steps, checkpointing, no logger, no
 validation); a factory's Trainer arguments add the rest (gradient clipping, callbacks, plugins...).
 The run config (`--ddp-config`) owns `precision` and `accumulate_grad_batches`: a factory that sets
-them differently is stopped with one line, because the checks judge with the config's values.
+them differently is stopped with one line, because the checks judge with the config's values. A
+factory's `strategy=DDPStrategy(find_unused_parameters=True, ...)` (or a registered name,
+"ddp_find_unused_parameters_true") keeps its DDP kwargs, in the fits and in the checks' own DDP
+steps (`wrap`), with the config's on top; a key the two set differently, a strategy that is no
+DDPStrategy, or a comm hook / model averaging (which the checks' own DDP steps cannot carry) is one
+line saying where the setting belongs (`merged_ddp_kwargs`).
 
 It runs inside ranks the harness already started, so Lightning's DDPStrategy reuses the default
 process group; `LOCAL_RANK` must be in the environment or Lightning's launcher would re-execute
@@ -111,6 +116,43 @@ def unpack(result: Any, spec: str) -> Built:
         else type(result).__name__
     raise TypeError(f"trainer SPEC {spec!r}: the factory returned {shown}; expected a LightningModule, "
                     "(module, datamodule) or (module, datamodule, trainer_kwargs)")
+
+
+# what a DDPStrategy holds besides DDP's kwargs that would change training, and the checks' own DDP cannot carry
+_UNCARRIED = {"_ddp_comm_hook": "ddp_comm_hook", "_ddp_comm_wrapper": "ddp_comm_wrapper",
+              "_model_averaging_period": "model_averaging_period"}
+
+
+def merged_ddp_kwargs(strategy: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The DDP kwargs of a factory's `strategy` Trainer argument (a DDPStrategy, or a registered name:
+    "ddp_find_unused_parameters_true") kept, with the run config's (`config`: the keys its file sets)
+    on top. Where the two set one key differently, or the strategy is no DDPStrategy, or it holds a
+    setting the checks' own DDP cannot carry, one line says where the setting belongs."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if strategy is None or strategy in ("auto", "ddp"):
+        return dict(config)
+    shown = repr(strategy) if isinstance(strategy, str) else f"{type(strategy).__name__}(...)"
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        strategy = StrategyRegistry.get(strategy)
+    if not isinstance(strategy, DDPStrategy):
+        raise ValueError(f"the trainer's arguments set strategy={shown}, which is not Lightning's DDPStrategy: the "
+                         "checks run the fit under DDPStrategy, so leave strategy out of the Trainer arguments (DDP's "
+                         "settings go in the --ddp-config file's trainer.strategy)")
+    if not hasattr(strategy, "_ddp_kwargs") or not all(hasattr(strategy, name) for name in _UNCARRIED):
+        raise AssertionError("lightning's DDPStrategy no longer keeps _ddp_kwargs / its comm hook where "
+                             "ddp_conformance.trainers.lightning_adapter reads them: update merged_ddp_kwargs")
+    for attribute, argument in _UNCARRIED.items():
+        if getattr(strategy, attribute) is not None:
+            raise ValueError(f"the trainer's DDPStrategy sets {argument}, which the checks' own DDP steps cannot "
+                             f"carry (they would judge gradients without it): leave it out to check this trainer")
+    theirs = dict(strategy._ddp_kwargs)
+    for key, value in theirs.items():
+        if key in config and config[key] != value:
+            raise ValueError(f"the trainer's DDPStrategy sets {key}={value!r} but the run config says {config[key]!r}: "
+                             f"the checks judge with the config's, so set trainer.strategy.{key} in the --ddp-config "
+                             "file (or leave it out there)")
+    return {**theirs, **config}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -360,6 +402,7 @@ class LightningAdapter(TrainerAdapter):
         self.final: TrainState | None = None
         self._probe: Probe | None = None
         self._stand_in: pl.Trainer | None = None  # for a training_step that reads self.trainer outside a fit
+        self._ddp_kwargs: dict[str, Any] | None = None
 
     # --- what a subclass may change ----------------------------------------------------------------
 
@@ -374,8 +417,16 @@ class LightningAdapter(TrainerAdapter):
         return Built(parts.module(), parts.datamodule() if parts.datamodule is not None else None)
 
     def strategy(self) -> DDPStrategy:
-        """Lightning's DDPStrategy with the run config's DDP kwargs (it passes them on to DDP)."""
-        return DDPStrategy(**self.config.trainer.strategy.ddp_kwargs())
+        """Lightning's DDPStrategy with the run's DDP kwargs (it passes them on to DDP)."""
+        return DDPStrategy(**self.ddp_kwargs())
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The DDP kwargs of the fits and of `wrap`: the run config's, and those of a DDPStrategy in the
+        factory's Trainer arguments that the config does not set (`merged_ddp_kwargs`); cached."""
+        if self._ddp_kwargs is None:
+            theirs = seeded(self.config.seed, self.build).trainer_kwargs.get("strategy")
+            self._ddp_kwargs = merged_ddp_kwargs(theirs, self.config.trainer.strategy.ddp_kwargs())
+        return self._ddp_kwargs
 
     def plugins(self) -> list[Any]:
         return []
@@ -493,7 +544,7 @@ class LightningAdapter(TrainerAdapter):
     def wrap(self, model: nn.Module) -> nn.Module:
         """As DDPStrategy wraps it: DistributedDataParallel(module, device_ids, **the strategy's kwargs)."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.config.trainer.strategy.ddp_kwargs())
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs())
 
     def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """One optimizer step's gradients as Lightning's automatic optimization computes them."""

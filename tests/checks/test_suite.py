@@ -66,7 +66,9 @@ def planned(path: Path) -> list[str]:
 
 
 def spec_of(path: Path) -> str:
-    return f"{path}:Trainer"
+    """The fixture's SPEC: its `Trainer` class, or the form it declares (`SPEC = "lightning:{path}:Module"`,
+    a LightningModule with no adapter, in the shape the bug was found in)."""
+    return declared(path, "SPEC", "{path}:Trainer").format(path=path)
 
 
 def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:

@@ -277,7 +277,7 @@ def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from ddp_conformance.checks.gradients import world_of_one
+    from ddp_conformance.checks.one_world import world_of_one
 
     trainer_module = types.ModuleType("users_training_script")
     exec("from torch.distributed import get_world_size as ws, get_rank", trainer_module.__dict__)
@@ -303,3 +303,14 @@ def test_a_gradient_moved_out_of_its_bucket_through_data_is_no_bucket_view():
     grad.data = torch.nan_to_num(grad.data)
     assert grad._is_view() and not shares_its_base(grad)
     assert not shares_its_base(torch.zeros(3))
+
+
+def test_subsets_drawn_per_rank_are_named_as_such_and_shards_or_one_shared_split_are_not():
+    from ddp_conformance.checks.sampling import per_rank_split
+
+    drawn = per_rank_split([[0, 1, 2, 4], [1, 2, 3, 5]])  # two random_split parts drawn on each rank
+    assert drawn.startswith("each rank draws from its own random_split subset") and "2 of their 4 and 4" in drawn
+    assert "seed the split's generator identically on every rank" in drawn
+    assert per_rank_split([[0, 2, 4], [1, 3, 5]]) == ""  # each rank's own shard: a scheme of its own
+    assert per_rank_split([[0, 1, 3], [0, 1, 3]]) == ""  # one split, seeded alike
+    assert per_rank_split([[0, 1, 3], None]) == ""  # only one rank over a Subset: not this cause

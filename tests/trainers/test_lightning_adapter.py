@@ -132,3 +132,52 @@ def test_a_step_that_needs_a_running_fit_is_not_provided_rather_than_an_error(tm
     with pytest.raises(NotProvided, match=r"use self\.trainer, and with a Trainer attached outside Trainer\.fit it "
                                           r"raised TypeError"):
         lit.loss(NeedsFit(), {"x": torch.ones(2, 3)})
+
+
+def test_a_factorys_ddp_strategy_settings_are_kept_with_the_configs_on_top(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    config = RunConfig()
+    config = replace(config, trainer=replace(config.trainer, strategy=replace(config.trainer.strategy,
+                                                                              gradient_as_bucket_view=True)))
+    lit, _ = adapter(tmp_path, {}, config)
+    lit.parts = replace(lit.parts, factory=lambda: (Tiny(), None, {"strategy": DDPStrategy(
+        find_unused_parameters=True, broadcast_buffers=False)}))
+    assert lit.ddp_kwargs() == {"find_unused_parameters": True, "broadcast_buffers": False,
+                                "gradient_as_bucket_view": True}
+    assert lit.strategy()._ddp_kwargs == lit.ddp_kwargs()  # the fits' strategy, and wrap's DDP, use them
+
+
+@pytest.mark.parametrize(("strategy", "config", "expected"), [
+    ("ddp_find_unused_parameters_true", {}, {"find_unused_parameters": True}),
+    ("ddp", {"static_graph": True}, {"static_graph": True}),
+    (None, {}, {}),
+])
+def test_a_strategy_named_by_its_registered_name_is_read_too(strategy, config, expected):
+    from ddp_conformance.trainers.lightning_adapter import merged_ddp_kwargs
+
+    assert merged_ddp_kwargs(strategy, config) == expected
+
+
+@pytest.mark.parametrize(("strategy", "config", "line"), [
+    ("find", {"find_unused_parameters": False},
+     "the trainer's DDPStrategy sets find_unused_parameters=True but the run config says False: the checks judge "
+     "with the config's, so set trainer.strategy.find_unused_parameters in the --ddp-config file (or leave it out "
+     "there)"),
+    ("fsdp", {}, "the trainer's arguments set strategy='fsdp', which is not Lightning's DDPStrategy: the checks run "
+     "the fit under DDPStrategy, so leave strategy out of the Trainer arguments (DDP's settings go in the "
+     "--ddp-config file's trainer.strategy)"),
+    ("hook", {}, "the trainer's DDPStrategy sets ddp_comm_hook, which the checks' own DDP steps cannot carry (they "
+     "would judge gradients without it): leave it out to check this trainer"),
+])
+def test_a_strategy_setting_the_checks_cannot_keep_is_one_line_naming_where_it_belongs(strategy, config, line):
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ddp_conformance.trainers.lightning_adapter import merged_ddp_kwargs
+
+    given = {"find": DDPStrategy(find_unused_parameters=True), "fsdp": "fsdp",
+             "hook": DDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)}[strategy]
+    with pytest.raises(ValueError) as caught:
+        merged_ddp_kwargs(given, config)
+    assert str(caught.value) == line

@@ -1,0 +1,70 @@
+"""The world of one (`checks/one_world.py`): every collective the trainer itself calls has one
+participant there, as in a real single-process run; outside it, and for DDP, the group is real."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.ddp(world_size=2)
+def test_the_trainers_collectives_have_one_participant_in_the_world_of_one(ddp):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as autograd_collectives
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ddp_conformance.checks.one_world import COLLECTIVES, world_of_one
+
+    mine = torch.tensor([float(ddp.rank + 1)])  # 1 on rank 0, 2 on rank 1: a real collective changes it
+    strategy = DDPStrategy()  # Lightning's reduce / all_gather / broadcast / barrier need no fit
+    with world_of_one():
+        assert all("in a world of one process" in getattr(dist, name).__doc__ for name in COLLECTIVES)
+        value = mine.clone()
+        dist.all_reduce(value)
+        dist.broadcast(value, src=0)
+        dist.reduce(value, dst=0)
+        assert dist.all_reduce(value, async_op=True).wait() and torch.equal(value, mine)
+        gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        into, scattered = torch.zeros(1), torch.zeros(1)
+        dist.all_gather_into_tensor(into, mine)
+        dist.reduce_scatter_tensor(scattered, mine)
+        assert gathered == [mine] and torch.equal(into, mine) and torch.equal(scattered, mine)
+        objects = [None]
+        dist.all_gather_object(objects, ddp.rank)
+        dist.barrier()
+        assert objects == [ddp.rank]
+        assert torch.equal(strategy.reduce(mine.clone(), reduce_op="sum"), mine)
+        assert torch.equal(strategy.reduce(mine.clone(), reduce_op="mean"), mine)
+        assert torch.equal(strategy.all_gather(mine), mine.unsqueeze(0))
+        strategy.barrier()
+        assert strategy.broadcast(ddp.rank) == ddp.rank
+        leaf = mine.clone().requires_grad_()  # LightningModule.all_gather(sync_grads=True)'s path
+        strategy.all_gather(leaf, sync_grads=True).sum().backward()
+        assert torch.equal(autograd_collectives.all_reduce(mine), mine) and torch.equal(leaf.grad, torch.ones(1))
+        with pytest.raises(ValueError, match="all_gather's tensor_list has 2 entries, in a world of one process"):
+            dist.all_gather([torch.zeros(1), torch.zeros(1)], mine)  # sized by a world size read before
+    value = mine.clone()
+    dist.all_reduce(value)
+    assert value.item() == 3.0  # the real group again
+
+
+def test_a_collective_imported_by_name_is_the_world_of_ones_too(monkeypatch):
+    """`from torch.distributed import all_reduce` in the trainer's module: no group here, so the real one
+    would raise."""
+    import sys
+    import types
+
+    import torch
+
+    from ddp_conformance.checks.one_world import world_of_one
+
+    trainer_module = types.ModuleType("users_token_mean")
+    exec("from torch.distributed import all_reduce as ar, broadcast", trainer_module.__dict__)
+    monkeypatch.setitem(sys.modules, "users_token_mean", trainer_module)
+    count = torch.tensor([5.0])
+    with world_of_one():
+        trainer_module.ar(count)
+        trainer_module.broadcast(count, src=0)
+    assert count.item() == 5.0
+    assert trainer_module.ar is torch.distributed.all_reduce
