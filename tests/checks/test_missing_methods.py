@@ -43,5 +43,5 @@ def test_missing_adapter_methods_skip_with_the_reason(pytester: pytest.Pytester)
     assert outcomes["data_consistency"]["outcome"] == "passed"
     for check in ("rank_participation", "gradient_equivalence", "resume_fidelity", "bucket_view_memory"):
         assert outcomes[check]["outcome"] == "skipped"
-        assert "trainer only-data does not provide" in outcomes[check]["message"], outcomes[check]
+        assert "trainer partial_adapter.OnlyData does not provide" in outcomes[check]["message"], outcomes[check]
 
