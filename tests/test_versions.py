@@ -5,6 +5,18 @@ asks whether a feature is there (`getattr`, a signature) it takes another road w
 tests pin each such question to the release that brought the feature, so a release that drops,
 renames or backports one fails here by name instead of quietly sending the code down the other road.
 The private APIs are asserted by use (a call that must answer as the code expects it to).
+
+The private APIs, and the test that fails when one changes:
+- torch: `ProcessGroup._get_sequence_number_for_group`, `distributed_c10d._get_default_store`,
+  `DistributedDataParallel._get_ddp_logging_data`, `Tensor._base`/`_is_view`: here, and
+  tests/checks/test_verdicts.py (`_base`/`_is_view` meaning), tests/trainers/test_references.py (the
+  logging data's keys);
+- pytest: `_pytest.assertion.pytest_runtest_protocol` (tests/runner/test_assert_explanations.py),
+  WarningsRecorder's `_ispytest` (tests/runner/test_builtin_fixtures.py), `TerminalReporter._tw`
+  (tests/runner/test_launchers.py: one report under torchrun), `_pytest._code`, `_pytest._io`,
+  `rewrite_asserts` and `Item._fixtureinfo` (imported or read unguarded: every ddp test);
+- CPython: `os.environ._data` (tests/runner/test_builtin_fixtures.py::test_environ_fast_path).
+Lightning: none.
 """
 
 from __future__ import annotations
