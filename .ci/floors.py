@@ -1,8 +1,7 @@
 """Print pip constraints pinning every dependency of pyproject.toml to the oldest version it admits.
 
-CI installs with these to prove that the declared floors are tested floors. torch is the exception:
-only its CPU build 2.13.0 can be installed here (any other version pulls a multi-GB CUDA build), so
-pyproject's torch floor is that version and README says how a GPU runner checks its own torch.
+CI installs with these to prove that the declared floors are tested floors, torch's too: its floor is
+a CUDA build (only 2.13.0 has a CPU build on the registry), which installs and runs on a CPU machine.
 """
 
 from __future__ import annotations

@@ -47,7 +47,10 @@ def fresh_seeds() -> None:
 def _cpu_only_torch() -> bool:
     """Whether this torch has no accelerator (CUDA/ROCm, MPS, XPU, MTIA built in, or a custom device
     registered so far): then the CPU generator is the only one `torch.seed()` seeds. Asking
-    initialises no device, and is asked every time (0.3 us): a test may register a custom device."""
+    initialises no device, and is asked every time (0.3 us): a test may register a custom device.
+    Before torch 2.6 (no `torch.accelerator`) nothing can tell without initialising CUDA, which a
+    forked rank must not do, so the answer is no and `torch.seed()` seeds every generator itself."""
     import torch
 
-    return torch.accelerator.current_accelerator() is None
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator is not None and accelerator.current_accelerator() is None

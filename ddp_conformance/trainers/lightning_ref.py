@@ -24,6 +24,7 @@ plain DataLoader), `strategy`, or set `module_class` to a RefModule subclass.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from ..config import RunConfig
 from ..lightning import RNGStateCallback
 from .lightning_adapter import Built, LightningAdapter
 from .torch_ref import ReferenceData, atomic_save, build_mlp, static_graph
+
+FIT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(pl.Trainer.fit).parameters  # Lightning >= 2.6
 
 
 class RefModule(pl.LightningModule):
@@ -128,4 +131,6 @@ class LightningTrainer(ReferenceData, LightningAdapter):
         return contextlib.nullcontext() if static_graph(model) else super().sync_context(model, sync)
 
     def fit_arguments(self) -> dict[str, Any]:
-        return {"weights_only": True}  # the reference's checkpoints hold tensors and plain values only
+        """`weights_only=True`: the reference's checkpoints hold tensors and plain values only. Trainer.fit
+        takes it since Lightning 2.6; before, the checkpoint loads with torch.load's own default."""
+        return {"weights_only": True} if FIT_TAKES_WEIGHTS_ONLY else {}

@@ -97,6 +97,7 @@ def _lightning_run(tmp_path, steps: int, *, rng_callback: bool, resumable: bool,
     import lightning.pytorch as pl
 
     from ddp_conformance.lightning import RNGStateCallback
+    from ddp_conformance.trainers.lightning_ref import FIT_TAKES_WEIGHTS_ONLY
 
     class Dropout(pl.LightningModule):
         def __init__(self) -> None:
@@ -123,7 +124,7 @@ def _lightning_run(tmp_path, steps: int, *, rng_callback: bool, resumable: bool,
         torch.manual_seed(1234)  # the restarted process's RNG is not the checkpoint's
         np.random.seed(1234)
         random.seed(1234)
-    trainer.fit(module, ckpt_path=resume_from, weights_only=True)
+    trainer.fit(module, ckpt_path=resume_from, **({"weights_only": True} if FIT_TAKES_WEIGHTS_ONLY else {}))
     if save_at is not None:
         trainer.save_checkpoint(tmp_path / "mid.ckpt")
     return {k: v.clone() for k, v in module.state_dict().items()}
