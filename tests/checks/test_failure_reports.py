@@ -48,6 +48,7 @@ def test_a_trainer_that_cannot_be_built_is_reported_once_with_its_own_traceback(
     assert len(result.outlines) <= 41, result.stdout.str()
 
 
+@pytest.mark.slow  # the default run proves the skip itself (the test above); this, that it stays one trainer's
 def test_a_build_failure_skips_only_that_trainers_checks(pytester: pytest.Pytester) -> None:
     """Remembered per trainer: the reference after it runs its checks (and passes them)."""
     pytester.makepyfile(init_raises=INIT_RAISES)
@@ -59,7 +60,7 @@ def test_a_build_failure_skips_only_that_trainers_checks(pytester: pytest.Pytest
                                  "*torch-rank_participation] PASSED*", "*torch-data_consistency] PASSED*"])
 
 
-@pytest.mark.parametrize(("style", "most_lines"), [("long", 5), ("line", 1)])
+@pytest.mark.parametrize(("style", "most_lines"), [("long", 5), pytest.param("line", 1, marks=pytest.mark.slow)])
 def test_a_verdict_is_its_message_without_the_harness_source_or_warnings(
         pytester: pytest.Pytester, style: str, most_lines: int) -> None:
     """A check's verdict is raised by the harness: no frame of it is the user's, so the verdict's

@@ -289,6 +289,7 @@ def pytest_terminal_summary():
 """
 
 
+@pytest.mark.slow  # a 7 s terminal summary in each of two xdist workers, on purpose
 def test_xdist_workers_leave_nothing_behind(pytester: pytest.Pytester, session_tmpdir: Path) -> None:
     pytest.importorskip("xdist", reason="this test runs pytest-xdist's workers")
     pytester.makeconftest(SLOW_WORKER_SUMMARY)
