@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = "script:ddp_tutorial.py {epochs} 1 | ddp_tutorial.py {epochs} 1"
 HARD_CODED = "script:ddp_tutorial.py 5 1"
 
 
+@pytest.mark.slow  # a whole suite session; tests/trainers/test_script_adapter.py covers each piece in the default run
 def test_the_ddp_tutorial_is_checked_by_its_command_line(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()

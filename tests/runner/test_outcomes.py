@@ -225,8 +225,8 @@ ONE_ASSERT_AT_WORLD_SIZE_4 = """
     """
 
 
-@pytest.mark.parametrize(("style", "most_lines"), [("long", 16), pytest.param("short", 11, marks=pytest.mark.slow),
-                                                   ("line", 1)])
+@pytest.mark.parametrize(("style", "most_lines"), [pytest.param("long", 16, marks=pytest.mark.slow),
+                                                   pytest.param("short", 11, marks=pytest.mark.slow), ("line", 1)])
 def test_one_assert_on_one_rank_reads_at_a_glance(pytester: pytest.Pytester, style: str, most_lines: int) -> None:
     """One assert failing on rank 1 at world size 4 (the others stuck in all_reduce): the verdict
     first, rank 1's assertion, then ONE section for the three stuck ranks, which wait in the same
