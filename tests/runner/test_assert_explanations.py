@@ -158,5 +158,5 @@ def test_rank_explains_asserts_whatever_plugin_options_the_parent_was_given(pyte
     explained = _explanations(output, "test_ranks")
     assert explained[:3] == ["assert [1, 2, 3] == [1, 2, 4]", "", "At index 2 diff: 3 != 4"], output
     # then pytest's hint, or the full diff where pytest sees a CI (the CI or BUILD_NUMBER variable), as in a plain test
-    full_diff = "Full diff: (-: missing in left side, +: extra in left side)"
-    assert explained[3:4] == ["Use -v to get more diff"] or full_diff in explained, output
+    full_diff = any(line.startswith("Full diff:") for line in explained)  # pytest 8.0 writes it without a legend
+    assert explained[3:4] == ["Use -v to get more diff"] or full_diff, output
