@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from .report import failed_with
+
 BUILD_FAILED = ("ddp_conformance.checks.base", "TrainerBuildError")  # named, not imported: no torch here
 BuildKey = tuple[str, int, str | None]  # (trainer SPEC, world size, config path)
 
@@ -40,16 +42,9 @@ class UnbuiltTrainers:
         report = yield
         key = item.stash.get(self._keys, None)
         if key is not None and call.when == "call" and call.excinfo is not None \
-                and _build_failed(call.excinfo.value) and key not in self.reported_by:
+                and failed_with(call.excinfo.value, BUILD_FAILED) and key not in self.reported_by:
             self.reported_by[key] = item.name
         return report  # type: ignore[return-value]
-
-
-def _build_failed(exc: BaseException) -> bool:
-    """Whether the test failed because the trainer could not be built: the pool's failure carries the
-    first failing rank's exception type; under torchrun the exception is the rank's own."""
-    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
-    return BUILD_FAILED in raised or getattr(exc, "rank_exc_type", None) == BUILD_FAILED
 
 
 UNBUILT_KEY = pytest.StashKey[UnbuiltTrainers]()

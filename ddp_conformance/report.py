@@ -50,14 +50,20 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def failed_with(exc: BaseException, named: tuple[str, str]) -> bool:
+    """Whether the test failed with the exception class `named` (module, qualname): raised here (torchrun),
+    or as the first failing rank's exception type, which the pool's failure carries."""
+    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
+    return named in raised or getattr(exc, "rank_exc_type", None) == named
+
+
 def check_verdict(exc: BaseException) -> str | None:
     """A failed check's verdict, whole, from the exception pytest saw: the CheckFailed itself where
     the test ran in this process (torchrun), else the pool's failure, which carries the first failing
     rank's exception type and one-line message (its headline clips long verdicts)."""
-    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
-    rank_type = getattr(exc, "rank_exc_type", None)
-    if CHECK_FAILED not in raised and rank_type != CHECK_FAILED:
+    if not failed_with(exc, CHECK_FAILED):
         return None
+    rank_type = getattr(exc, "rank_exc_type", None)
     message = getattr(exc, "rank_message", "") if rank_type == CHECK_FAILED else str(exc)
     return message.removeprefix(f"{CHECK_FAILED[1]}: ")
 
