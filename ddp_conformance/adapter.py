@@ -163,6 +163,9 @@ class TrainerAdapter:
     #: when `fit(checkpoint_at=k)` can write a checkpoint: None (at any optimizer step), "epoch" (only
     #: at epoch ends), or N (every N steps); resume_fidelity picks k accordingly
     checkpoint_every: int | str | None = None
+    #: whether the trainer trains as the run config says; False for a trainer that only runs its own
+    #: command line (a `script:` SPEC): the harness's notes on the config are then not about it
+    takes_config: bool = True
 
     config: RunConfig
     ctx: RankContext

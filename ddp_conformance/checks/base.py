@@ -59,6 +59,9 @@ class CheckContext:
     # the notes of the adapters this check built that keep some (a script's files written outside its
     # checkpoint directory), reported with the check's; the lists, not the adapters, which hold models
     adapter_notes: list[list[str]] = field(default_factory=list)
+    # what the harness changed in the run config ("trainer.devices: 'auto' replaced by 2"): noted once
+    # the first adapter shows that the trainer takes the config (a script runs its own command line)
+    config_notes: list[str] = field(default_factory=list)
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True
@@ -84,7 +87,7 @@ class CheckContext:
                   workdir=shared or Path(workdir) / check_id, stall_after=stall_after, figures=figures,
                   shared=shared is not None)
         ctx.workdir.mkdir(parents=True, exist_ok=True)
-        ctx.notes.extend(notes)
+        ctx.config_notes = notes
         return ctx
 
     def require_shared_workdir(self) -> None:
@@ -120,6 +123,9 @@ class CheckContext:
         notes = getattr(adapter, "conformance_notes", None)
         if isinstance(notes, list):
             self.adapter_notes.append(notes)
+        if getattr(adapter, "takes_config", True):
+            self.notes.extend(n for n in self.config_notes if n not in self.notes)
+        self.config_notes = []
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
     def _built(self, build: Callable[[], Any]) -> Any:

@@ -208,6 +208,8 @@ def _render(arg: str, values: dict[str, str | None]) -> str:
 class ScriptAdapter(TrainerAdapter):
     """Runs the SPEC's command lines as the trainer's fit and resume."""
 
+    takes_config = False  # the script reads its command line; the run config's devices etc. do not reach it
+
     def __init__(self, spec: str, base: Path) -> None:
         self.spec = spec
         self.fit_command, self.resume_command = parse_script_spec(spec, base)
