@@ -102,9 +102,16 @@ def _measurable(ctx: CheckContext) -> Any:
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     device_type = ctx.rank_ctx.device_type
+    try:
+        config = _measurable(ctx)
+    except NotProvided as exc:  # a script: only its run builds its model and its DDP
+        if exc.what != "make_model":
+            raise
+        from .fit_memory import judge_the_fit
+
+        return judge_the_fit(ctx, exc)
     if device_type == "cpu" and heap_counter() is None:
         pytest.skip("no heap counter on this platform: measuring CPU memory needs glibc's mallinfo2 (glibc >= 2.33)")
-    config = _measurable(ctx)
     own = ctx.adapter(config)
     declared = _declared(own, config)
     per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches

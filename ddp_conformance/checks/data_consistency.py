@@ -13,6 +13,15 @@ the items' bytes (`states.item_digest`). Items whose two reads differ (random au
 `__getitem__`) are left out of the comparison; when none is left, the check is skipped with that
 reason, as it is for a dataset that cannot be indexed. The first rank, in rank order, whose items
 differ from rank 0's is named, with the first index where they differ.
+
+A trainer that cannot build its dataset on its own (a `script:` SPEC, whose dataset only its run
+builds) is judged on the dataset its training loader iterates: each rank reseeds as above, runs
+fit(1) under the fit recorder (`observe.FitRecorder` keeps each loader pass's dataset), and reads
+that dataset the same way. Where every rank's loader iterates a Subset (a rank's own shard, a
+random_split's part), the dataset under the Subsets is compared item for item, and the parts must be
+one shared split or disjoint shards; overlapping parts that differ are a split drawn per rank, and
+named so. A fit that trains on batches made without a DataLoader (nanoGPT's memmap and
+`torch.randint`) or through an IterableDataset is skipped, saying which.
 """
 
 from __future__ import annotations
@@ -22,14 +31,17 @@ from typing import Any
 
 import pytest
 
+from ..adapter import NotProvided
 from ..runner.seeds import fresh_seeds
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import through_subsets
+from .progress import guarded_fit
 from .sampling import per_rank_split
 from .states import item_digest
 
 SAMPLES = 16
 INDEX_SEED = 0
+FIT_STEPS = 1  # the fit whose training loader's dataset is read, for a trainer that cannot build it alone
 
 
 def sample_indices(size: int) -> list[int]:
@@ -53,12 +65,42 @@ def _mine(ctx: CheckContext) -> dict[str, Any]:
     adapter = ctx.adapter()
     with ctx.training():
         dataset = adapter.make_dataset()
+    return _view(dataset)
+
+
+def _view(dataset: Any) -> dict[str, Any]:
+    """A dataset's length and the digests of its items at the sampled indices, or why it cannot be read."""
     try:
         size = len(dataset)  # type: ignore[arg-type]
         indices = sample_indices(size)
         return {"size": size, "digests": _read(dataset, indices), **_split_of(dataset)}
     except (TypeError, NotImplementedError, KeyError) as exc:
         return {"unindexable": f"{type(dataset).__name__}: {type(exc).__name__}: {exc}".splitlines()[0][:200]}
+
+
+def _from_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
+    """This rank's view of the dataset its training loader iterated in a short fit of the trainer, for
+    a trainer that cannot build its dataset on its own (a script: SPEC): the dataset the fit trains
+    on is the one whose items must match, however the trainer builds it. The fit starts from fresh
+    RNG seeds, as a torchrun process does; `missing` is raised where the trainer has no fit either."""
+    fresh_seeds()
+    try:
+        guarded_fit(ctx, "data", FIT_STEPS, lambda observer: ctx.adapter().fit(FIT_STEPS, observer=observer))
+    except NotProvided as exc:
+        if exc.what != "fit":
+            raise
+        raise missing from None
+    passes = ctx.recordings["data"].training_passes()
+    if not passes:
+        return {"lacks": f"fit({FIT_STEPS}) trained on batches drawn through no DataLoader (made by hand, e.g. "
+                         "nanoGPT's np.memmap and torch.randint get_batch): there is no dataset of its loaders to "
+                         "read by index, so the ranks' items cannot be compared"}
+    dataset = passes[0].dataset
+    if passes[0].iterable:
+        return {"lacks": f"fit({FIT_STEPS})'s training loader iterates an IterableDataset "
+                         f"({type(dataset).__name__}): it has no indices to read the same items at on every rank "
+                         "(sampler_disjointness judges what each rank reads)"}
+    return _view(dataset)
 
 
 def _split_of(dataset: Any) -> dict[str, Any]:
@@ -83,16 +125,36 @@ def _per_rank_split(everyone: list[dict[str, Any]], rank: int) -> str:
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
-    everyone = all_gather(_mine(ctx))
+    try:
+        mine, source = _mine(ctx), "make_dataset"
+    except NotProvided as exc:
+        if exc.what != "make_dataset":
+            raise
+        mine, source = _from_the_fit(ctx, exc), f"the fit's training loader (fit({FIT_STEPS}))"
+    everyone = all_gather(mine)
+    lacking = next((view["lacks"] for view in everyone if "lacks" in view), None)
+    if lacking is not None:
+        pytest.skip(lacking)
     if any("unindexable" in view for view in everyone):
         why = next(view["unindexable"] for view in everyone if "unindexable" in view)
         pytest.skip(f"the trainer's dataset cannot be read by index ({why}), so the ranks' items at the same index "
                     "cannot be compared")
+    figures: dict[str, Any] = {"dataset_from": source}
+    if source != "make_dataset" and all("base" in view for view in everyone):
+        return _judge_subsets(ctx, everyone, figures)
+    return _judge_items(ctx, everyone, figures)
+
+
+def _judge_items(ctx: CheckContext, everyone: list[dict[str, Any]], figures: dict[str, Any],
+                 what: str = "dataset") -> dict[str, Any]:
+    """Fail naming the first rank whose `what` has another length than rank 0's, or other items at a
+    sampled index; else the figures."""
+    __tracebackhide__ = hide_on_verdict
     sizes = [view["size"] for view in everyone]
-    figures: dict[str, Any] = {"dataset_size": sizes[0], "dataset_sizes_per_rank": sizes}
+    figures.update(dataset_size=sizes[0], dataset_sizes_per_rank=sizes)
     if len(set(sizes)) > 1:
         rank = next(r for r, size in enumerate(sizes) if size != sizes[0])
-        raise ctx.fail(f"rank {rank}'s dataset has {sizes[rank]} items where rank 0's has {sizes[0]}: every rank must "
+        raise ctx.fail(f"rank {rank}'s {what} has {sizes[rank]} items where rank 0's has {sizes[0]}: every rank must "
                        "build the same dataset (the sampler splits indices, not data)", **figures)
     reference = everyone[0]["digests"]
     stable = [i for i, d in reference.items() if d is not None]
@@ -109,13 +171,30 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         others = f"; ranks {', '.join(map(str, bad))} all differ" if len(bad) > 1 else ""
         split = _per_rank_split(everyone, rank)
         if split:
-            raise ctx.fail(f"rank {rank}'s dataset differs from rank 0's at index {where[0]} ({len(where)} of "
+            raise ctx.fail(f"rank {rank}'s {what} differs from rank 0's at index {where[0]} ({len(where)} of "
                            f"{len(stable)} sampled items differ{others}): {split}", **figures)
-        raise ctx.fail(f"rank {rank}'s dataset differs from rank 0's at index {where[0]} ({len(where)} of "
+        raise ctx.fail(f"rank {rank}'s {what} differs from rank 0's at index {where[0]} ({len(where)} of "
                        f"{len(stable)} sampled items differ{others}): is the data generated without a seed, or "
                        "ordered by a set of strings or by hash()? Every torchrun process starts from its own RNG "
                        "seeds and its own str hash secret, so each rank trains on its own private data; build it "
                        "from a seeded torch.Generator (or load it), and order names with sorted(), not set()",
                        **figures)
     figures["summary"] = f"{len(stable)} sampled items identical"
+    return figures
+
+
+def _judge_subsets(ctx: CheckContext, everyone: list[dict[str, Any]], figures: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's training loader iterates a Subset (its own shard, or a random_split's part): the
+    data under the Subsets must be the same on every rank, item for item, and the parts must be one
+    shared split or disjoint shards, not parts drawn per rank that overlap."""
+    __tracebackhide__ = hide_on_verdict
+    bases = [{"size": view["base"][0], "digests": view["base"][1]} for view in everyone]
+    figures = _judge_items(ctx, bases, figures, what="dataset under its loader's Subset")
+    split = per_rank_split([view["universe"] for view in everyone])
+    figures["subset_sizes_per_rank"] = [len(view["universe"]) for view in everyone]
+    if split:
+        raise ctx.fail(f"the ranks' training loaders iterate Subsets of the same {figures['dataset_size']} items that "
+                       f"hold different samples: {split}", **figures)
+    shared = all(view["universe"] == everyone[0]["universe"] for view in everyone)
+    figures["summary"] += "; one shared split" if shared else "; each rank its own shard"
     return figures

@@ -13,9 +13,9 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   whether the gradients it applied were all exactly zero; on request (`first_step=True`) the first
   step itself: the parameters before its first micro-batch and the gradients the optimizer applied
   (read after the step's closure where it has one, as Lightning's automatic optimization passes);
-- every pass of a DataLoader over its data and the dataset indices each batch drew, by wrapping the
-  public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the fit (restored
-  after; a DataLoader subclass that calls `super().__iter__()` is seen too), and the `__iter__` of
+- every pass of a DataLoader over its data (and its dataset) and the dataset indices each batch drew,
+  by wrapping the public `DataLoader.__iter__` and `BatchSampler.__iter__` for the duration of the
+  fit (restored after; a DataLoader subclass that calls `super().__iter__()` is seen too), and the `__iter__` of
   the class of a hand-written batch sampler a loader uses (a `Sampler` yielding lists of indices,
   as length-bucketing samplers are written). A loader whose batches are not lists of indices is
   recorded without them, and every pass keeps a digest of each training micro-batch's inputs: what
@@ -74,6 +74,9 @@ class LoaderPass:
     trained: bool = False
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
+    # the loader's dataset itself: data_consistency reads it by index when the trainer cannot build it
+    # on its own (a script); never gathered across ranks
+    dataset: Any = field(default=None, repr=False)
 
     @property
     def first_input(self) -> str | None:
@@ -482,7 +485,7 @@ def _new_pass(loader: Any) -> LoaderPass:
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
                       iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler),
                       universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map,
-                      base_size=_length(base) if index_map is not None else None)
+                      base_size=_length(base) if index_map is not None else None, dataset=dataset)
 
 
 def _length(sized: Any) -> int | None:

@@ -47,9 +47,10 @@ LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`, its own 
 `sys.path`. Its `init_process_group` joins the harness's group (the call is answered by the group
 that already exists) and its `destroy_process_group` leaves it standing for the next check;
 `sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
-harness's hooks (`checks/observe.py`), so rank_participation, sampler_disjointness and
-resume_fidelity judge the real run; checks that need a piece in isolation (a dataset, a model, a
-loss) skip with the reason.
+harness's hooks (`checks/observe.py`), so rank_participation, sampler_disjointness,
+resume_fidelity, data_consistency (the dataset its training loader iterated) and bucket_view_memory
+(its own DDP and its gradients at the optimizer step) judge the real run; checks that need a piece
+in isolation (a dataset, a model, a loss) skip with the reason.
 """
 
 from __future__ import annotations

@@ -155,6 +155,15 @@ def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(
     assert any("DistributedDataParallel(model, gradient_as_bucket_view=..." in note for note in figures["notes"])
 
 
+def test_a_script_s_saving_is_measured_in_its_own_fit_and_its_loaders_dataset_is_read(session: dict[str, Any]) -> None:
+    results = session["results"][spec_of(ROOT / "fixtures" / "mutants" / "script_rank_shards_in_place_grads.py")]
+    memory, data = results["bucket_view_memory"], results["data_consistency"]
+    assert memory["outcome"] == "passed" and memory["figures"]["saved_pct_of_grad_bytes"] >= 90, memory
+    assert memory["figures"]["measured_at"].startswith("the pre-hook of optimizer step 3 of the fit"), memory
+    assert data["outcome"] == "passed" and data["figures"]["summary"].endswith("each rank its own shard"), data
+    assert data["figures"]["dataset_from"] == "the fit's training loader (fit(1))"
+
+
 @pytest.mark.parametrize(("control", "scheme"), [("per_rank_with_replacement", "independent draws with replacement"),
                                                  ("iterable_sharded", "iterable dataset")])
 def test_unusual_but_correct_sampling_is_recognised_not_just_passed(session: dict[str, Any], control: str,

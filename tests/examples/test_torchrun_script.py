@@ -1,5 +1,6 @@
 """A torchrun script checked by its command line alone (examples/torchrun_script): the checks that
-watch a fit judge the script's real run, the others skip with the reason; and a broken twin (its
+watch a fit judge the script's real run (data_consistency reads the dataset its training loader
+iterated), the others skip with the reason; and a broken twin (its
 checkpoint restores no RNG state) is red with the RNG named."""
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ def test_a_script_is_checked_by_its_command_line_and_its_broken_twin_is_red(tmp_
     results = {(Path(r["spec"].split()[0][len("script:"):]).parent.name or "repo", r["check"]): r
                for r in json.loads(report.read_text())["results"]}
     outcomes = {key: r["outcome"] for key, r in results.items()}
-    for check in ("rank_participation", "sampler_disjointness", "resume_fidelity"):
+    for check in ("rank_participation", "sampler_disjointness", "data_consistency", "resume_fidelity"):
         assert outcomes[("repo", check)] == "passed", (check, results[("repo", check)]["message"], run.stdout[-2000:])
     # a script reports no losses: that is not evidence that every rank saw the same ones
     assert not any("same losses" in n for n in results[("repo", "rank_participation")]["figures"].get("notes", []))
-    for check in ("data_consistency", "gradient_equivalence"):
+    # its dataset is the one its training loader iterated in the real run, read on every rank
+    assert results[("repo", "data_consistency")]["figures"]["dataset_from"] == "the fit's training loader (fit(1))"
+    for check in ("gradient_equivalence",):
         assert outcomes[("repo", check)] == "skipped"
         assert "a script: SPEC runs the whole script" in results[("repo", check)]["message"]
     assert outcomes[("twin", "resume_fidelity")] == "failed" and run.returncode == 1
