@@ -192,7 +192,8 @@ def _judge_subsets(ctx: CheckContext, everyone: list[dict[str, Any]], figures: d
     figures = _judge_items(ctx, bases, figures, what="dataset under its loader's Subset")
     split = per_rank_split([view["universe"] for view in everyone])
     figures["subset_sizes_per_rank"] = [len(view["universe"]) for view in everyone]
-    if split:
+    if split:  # the items under the Subsets are identical; which of them each rank holds is the verdict
+        figures["summary"] = "per-rank random_split"
         raise ctx.fail(f"the ranks' training loaders iterate Subsets of the same {figures['dataset_size']} items that "
                        f"hold different samples: {split}", **figures)
     shared = all(view["universe"] == everyone[0]["universe"] for view in everyone)
