@@ -20,6 +20,10 @@ points to one: a ratio of exactly 1/world_size (a loss divided by the world size
 averaging, when the trainer's loss in the real world is 1/world of the same loss computed in a
 world of one, `world_of_one`; else a loss summed where DDP averages), world_size
 (gradients summed over ranks), or gradients equal to the rank's own shard (no all-reduce).
+
+A trainer that gives no dataset, model or loss to compute a reference with (a `script:` SPEC) is
+judged from its run instead: its first optimizer step against the same script rerun in a world of
+one on the global batch its ranks drew (`script_step.py`).
 """
 
 from __future__ import annotations
