@@ -20,13 +20,12 @@ both legitimately applied to the averaged gradient: noted, not failed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, closeness, max_delta, scale_ratio, single_process_adapter
+from .gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
 from .observe import FitRecord, unwrapped
 from .one_world import world_of_one
 from .progress import guarded_fit
@@ -118,7 +117,7 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
     figures.update(fit_step="judged", fit_step_micro_batches=first.micro_batches,
                    fit_step_max_rel_delta=delta / scale if scale else 0.0)
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
-    verdict = "" if delta <= rtol * scale else _diagnosis(
+    verdict = "" if delta <= rtol * scale else fit_diagnosis(
         fit, whole, lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn]),
         ctx.world_size, first.micro_batches, rtol, where)
     failing = [v for v in all_gather(verdict) if v]
@@ -143,45 +142,3 @@ def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) 
         single.loss(model, collate(items)).backward()
     return {name: p.grad.detach().double().cpu() if p.grad is not None else None
             for name, p in model.named_parameters()}
-
-
-def _diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
-               world: int, micro: int, rtol: float, where: str) -> str:
-    """Why the fit's gradients differ from `whole`, the recomputed ones, or "" for clipping;
-    `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
-    gradients, only when a diagnosis needs them."""
-    head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
-            f"gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)")
-    missing = [n for n, g in fit.items() if g is None and whole.get(n) is not None]
-    if missing:
-        return f"{head}: parameter {missing[0]} gets no gradient in the fit"
-    ratio, residual = scale_ratio(fit, whole)
-    close = closeness(rtol)
-    uniform = residual < close
-    if uniform and world > 1 and abs(ratio * world - 1) < close:
-        return (f"{head}: exactly 1/{world} of it, the fit's loop divides the loss or the gradients by the "
-                f"world size on top of DDP's own averaging {where}")
-    if uniform and world > 1 and abs(ratio / world - 1) < close:
-        return f"{head}: exactly {world}x it, the fit's loop sums gradients over ranks {where}"
-    if uniform and micro > 1 and abs(ratio * micro - 1) < close:
-        return (f"{head}: exactly 1/{micro} of it, the loop divides each micro-batch's loss by the "
-                f"accumulation twice {where}")
-    if uniform and micro > 1 and abs(ratio / micro - 1) < close:
-        return (f"{head}: exactly {micro}x it, the loop adds up its {micro} accumulated micro-batch "
-                f"losses without dividing by the accumulation {where}")
-    if clipping(fit, whole, rtol):
-        return ""  # clipping by norm or value acts on the averaged gradient: the caller notes it
-    if micro > 1 and _proportional(fit, last(), close):
-        return (f"{head}: they come from the last micro-batch of the {micro}-batch accumulation window only, "
-                f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
-    if world > 1 and _proportional(fit, own(), close, exact=True):
-        return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
-                f"model it trains is not the DDP-wrapped one?) {where}")
-    return f"{head} {where}"
-
-
-def _proportional(a: dict[str, Any], b: dict[str, Any] | None, close: float, exact: bool = False) -> bool:
-    if b is None:
-        return False
-    ratio, residual = scale_ratio(a, b)
-    return residual < close and (not exact or abs(ratio - 1) < close)

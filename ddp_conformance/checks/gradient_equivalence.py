@@ -20,6 +20,10 @@ points to one: a ratio of exactly 1/world_size (a loss divided by the world size
 averaging, when the trainer's loss in the real world is 1/world of the same loss computed in a
 world of one, `world_of_one`; else a loss summed where DDP averages), world_size
 (gradients summed over ranks), or gradients equal to the rank's own shard (no all-reduce).
+
+A trainer that gives no dataset, model or loss to compute a reference with (a `script:` SPEC) is
+judged from its run instead: its first optimizer step against the same script rerun in a world of
+one on the global batch its ranks drew (`script_step.py`).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import Any
 
 import pytest
 
+from ..adapter import NotProvided
 from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
 from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
 from .observe import unwrapped
 from .one_world import world_of_one
+from .script_step import judge_script_step
 from .states import item_digest
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
@@ -83,16 +89,25 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     precision = ctx.config.trainer.precision
     rtol = RTOL.get(precision)
     adapter = ctx.adapter()
-    batch = _global_batch(ctx, adapter)
-    if rtol is None:
-        pytest.skip(f"no measured gradient tolerance for precision {precision!r} "
-                    f"(measured: {', '.join(RTOL)}); the check would be guessing")
-    single = single_process_adapter(ctx) or adapter
-    wrapped, figures = _first_step(ctx, adapter, single, batch, rtol)
+    try:
+        batch = _global_batch(ctx, adapter)
+        _skip_unmeasured(precision, rtol)
+        single = single_process_adapter(ctx) or adapter
+        wrapped, figures = _first_step(ctx, adapter, single, batch, rtol)
+    except NotProvided as missing:  # no pieces to compute a reference with (a script): judged by its run
+        _skip_unmeasured(precision, rtol)
+        assert rtol is not None
+        return judge_script_step(ctx, adapter, rtol, missing)
     _more_steps(ctx, adapter, batch, wrapped, figures)
     judge_fit_step(ctx, single, rtol, figures)
     figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
     return figures
+
+
+def _skip_unmeasured(precision: str, rtol: float | None) -> None:
+    if rtol is None:
+        pytest.skip(f"no measured gradient tolerance for precision {precision!r} "
+                    f"(measured: {', '.join(RTOL)}); the check would be guessing")
 
 
 def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch,

@@ -6,6 +6,7 @@ single-process side computed as in a world of one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -104,3 +105,46 @@ def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
         ctx.note(f"the single-process reference uses the trainer as set up for world size {ctx.world_size}: "
                  f"its setup as rank 0 of 1 raised {type(exc).__name__}: {exc}")
         return None
+
+
+def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
+               world: int, micro: int, rtol: float, where: str) -> str:
+    """Why the gradients a fit's first optimizer step applied differ from `whole`, the single-process
+    gradient of the samples its ranks drew for it, or "" for clipping (fit_step.py, script_step.py);
+    `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
+    gradients, only when a diagnosis needs them."""
+    head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
+            f"gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)")
+    missing = [n for n, g in fit.items() if g is None and whole.get(n) is not None]
+    if missing:
+        return f"{head}: parameter {missing[0]} gets no gradient in the fit"
+    ratio, residual = scale_ratio(fit, whole)
+    close = closeness(rtol)
+    uniform = residual < close
+    if uniform and world > 1 and abs(ratio * world - 1) < close:
+        return (f"{head}: exactly 1/{world} of it, the fit's loop divides the loss or the gradients by the "
+                f"world size on top of DDP's own averaging {where}")
+    if uniform and world > 1 and abs(ratio / world - 1) < close:
+        return f"{head}: exactly {world}x it, the fit's loop sums gradients over ranks {where}"
+    if uniform and micro > 1 and abs(ratio * micro - 1) < close:
+        return (f"{head}: exactly 1/{micro} of it, the loop divides each micro-batch's loss by the "
+                f"accumulation twice {where}")
+    if uniform and micro > 1 and abs(ratio / micro - 1) < close:
+        return (f"{head}: exactly {micro}x it, the loop adds up its {micro} accumulated micro-batch "
+                f"losses without dividing by the accumulation {where}")
+    if clipping(fit, whole, rtol):
+        return ""  # clipping by norm or value acts on the averaged gradient: the caller notes it
+    if micro > 1 and proportional(fit, last(), close):
+        return (f"{head}: they come from the last micro-batch of the {micro}-batch accumulation window only, "
+                f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
+    if world > 1 and proportional(fit, own(), close, exact=True):
+        return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
+                f"model it trains is not the DDP-wrapped one?) {where}")
+    return f"{head} {where}"
+
+
+def proportional(a: dict[str, Any], b: dict[str, Any] | None, close: float, exact: bool = False) -> bool:
+    if b is None:
+        return False
+    ratio, residual = scale_ratio(a, b)
+    return residual < close and (not exact or abs(ratio - 1) < close)

@@ -19,7 +19,11 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   the class of a hand-written batch sampler a loader uses (a `Sampler` yielding lists of indices,
   as length-bucketing samplers are written). A loader whose batches are not lists of indices is
   recorded without them, and every pass keeps a digest of each training micro-batch's inputs: what
-  the rank was fed, whatever made the batches.
+  the rank was fed, whatever made the batches;
+- on request (`keep_batches=True`, with `first_step=True`) the batches a DataLoader yielded for the
+  first step's micro-batches, as CPU copies: at each training micro-batch before the first step, the
+  batch the newest pass last yielded and how many it had yielded (a script that reads its loader
+  ahead of its forwards yields more than one per micro-batch), for a rerun fed the same batches.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -32,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +96,11 @@ class FirstStep:
     grads: list[Any] | None = None  # float64 CPU copies of the gradients the first step applied
     micro_batches: int = 0  # micro-batches that went into them
     rng_drawn: bool = False  # torch's RNG advanced during them (dropout, random augmentation...)
+    # with keep_batches: per micro-batch, the batch the newest DataLoader pass last yielded (a CPU copy;
+    # None when that pass had yielded none), that pass's index in `FitRecord.passes` (None: no pass)
+    # and how many batches it had yielded
+    batches: list[Any] = field(default_factory=list, repr=False)
+    sources: list[tuple[int | None, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -168,12 +177,19 @@ class FitRecorder:
     _lock = threading.Lock()
 
     def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
-                 all_inputs: bool = False) -> None:
+                 all_inputs: bool = False, keep_batches: bool = False,
+                 on_first_micro_batch: Callable[[Any], None] | None = None) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
-        indices or not, to compare what two fits fed their models."""
+        indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
+        keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
+        the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
+        another fit's parameters sets them there)."""
         self.record = FitRecord()
         self._capture_first_step = first_step
         self._all_inputs = all_inputs
+        self._keep_batches = keep_batches and first_step
+        self._on_first_micro_batch = on_first_micro_batch
+        self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
         self.listener = listener
         self.rank = rank
         self._stack = contextlib.ExitStack()
@@ -235,6 +251,8 @@ class FitRecorder:
 
         record = self.record
         first = record.micro_batches == 0
+        if first and self._on_first_micro_batch is not None:
+            self._on_first_micro_batch(model)
         if first:
             record.model_type, record.model = type(model).__name__, model
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
@@ -247,6 +265,8 @@ class FitRecorder:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
             record.synced.append(bool(model.require_backward_grad_sync))
         record.micro_batches += 1
+        if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
+            self._keep_batch(record.first_step, len(record.passes) - 1)
         training = record.training_passes()
         if record.passes and not record.passes[-1].trained:
             record.passes[-1].trained = True
@@ -262,6 +282,20 @@ class FitRecorder:
             self.listener.on_wrapped(model)
         self._open = self._step_info(model, training)
         self.listener.before_step(self._open)
+
+    def _keep_batch(self, first: FirstStep, newest: int) -> None:
+        """The batch the newest pass last yielded, for this micro-batch of the first step."""
+        if self._yielded is not None and self._yielded[0] == newest:
+            first.sources.append((newest, self._yielded[1]))
+            first.batches.append(self._yielded[2])
+        else:
+            first.sources.append((newest if newest >= 0 else None, 0))
+            first.batches.append(None)
+
+    def _on_yield(self, index: int, count: int, batch: Any) -> None:
+        first = self.record.first_step
+        if first is None or first.grads is None:  # only the first step's batches are kept
+            self._yielded = (index, count, cpu_copy(batch))
 
     def _watch_local_grads(self, model: Any) -> None:
         """A hook on each trainable parameter sees the gradient this rank's backward computes, before
@@ -355,6 +389,8 @@ class FitRecorder:
             recorder._watch_batch_sampler(getattr(loader, "batch_sampler", None))
             if recorder.listener is not None and hasattr(recorder.listener, "heartbeat"):
                 recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
+            if recorder._keep_batches:
+                return _Yields(original(loader), recorder._on_yield, len(recorder.record.passes) - 1)
             return original(loader)
 
         return __iter__
@@ -386,6 +422,66 @@ class FitRecorder:
             return _recorded(original(sampler), target)
 
         return __iter__
+
+
+class _Yields:
+    """A DataLoader pass's iterator that tells `on_yield(pass index, count, batch)` each batch it
+    yields; everything else is the iterator's own."""
+
+    def __init__(self, inner: Any, on_yield: Callable[[int, int, Any], None], index: int) -> None:
+        self._inner, self._on_yield, self._index, self._count = inner, on_yield, index, 0
+
+    def __iter__(self) -> _Yields:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._count += 1
+        self._on_yield(self._index, self._count, batch)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def cpu_copy(batch: Any) -> Any:
+    """`batch` with every tensor a detached CPU copy, its containers rebuilt as they were (mappings,
+    named tuples, tuples, lists); anything else as it is."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().cpu().clone()
+    items = children(batch)
+    return batch if items is None else rebuilt(batch, [cpu_copy(item) for item in items])
+
+
+def children(batch: Any) -> list[Any] | None:
+    """The items of a container batch (a mapping's values in key order), None for a leaf."""
+    import collections.abc
+
+    if isinstance(batch, collections.abc.Mapping):
+        return list(batch.values())
+    if isinstance(batch, list | tuple):
+        return list(batch)
+    return None
+
+
+def rebuilt(like: Any, items: list[Any]) -> Any:
+    """A container of `like`'s kind holding `items` (as `children` listed them)."""
+    import collections.abc
+
+    if isinstance(like, collections.abc.Mapping):
+        values = dict(zip(like.keys(), items, strict=True))
+        try:
+            return type(like)(values)
+        except Exception:  # a mapping type that cannot be built from a dict
+            return values
+    if isinstance(like, tuple) and hasattr(like, "_fields"):  # a named tuple
+        return type(like)(*items)
+    return type(like)(items) if isinstance(like, list | tuple) else like
 
 
 def unwrapped(model: Any) -> Any:

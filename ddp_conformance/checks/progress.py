@@ -234,10 +234,12 @@ def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> s
 def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],
                 inner: FitObserver | None = None,
                 extra: Callable[[Any], dict[str, Any]] | None = None,
-                first_step: bool = False, all_inputs: bool = False) -> tuple[Any, list[Progress]]:
+                first_step: bool = False, all_inputs: bool = False,
+                keep_batches: bool = False) -> tuple[Any, list[Progress]]:
     """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress;
-    `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`), and
-    `all_inputs` digest what every micro-batch fed the model.
+    `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`),
+    `keep_batches` the batches its loader yielded for it too, and `all_inputs` digest what every
+    micro-batch fed the model.
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
     Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs.
@@ -253,7 +255,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
             # progress comes from the fit's own forwards and steps (the recorder's hooks); the
             # adapter's observer calls, if it makes any, only add the losses it reports
             with FitRecorder(listener=observer, rank=ctx.rank, first_step=first_step,
-                             all_inputs=all_inputs) as recorder:
+                             all_inputs=all_inputs, keep_batches=keep_batches) as recorder:
                 ctx.recordings[label] = recorder.record
                 result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)

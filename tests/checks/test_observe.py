@@ -327,3 +327,66 @@ def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
     assert recorded.base_batches() == [[9, 1], [5]]
     assert recorded.dataset_size == 3 and recorded.base_size == 20 and recorded.universe == [1, 5, 9]
     assert _through([9, 1], 2) < 0 and _through([9, 1], -1) < 0 and _through(None, 7) == 7
+
+
+def _loop(loader, model, read_ahead=False):
+    """One optimizer step over 2 micro-batches of `loader` (reading the next batch before each
+    forward's backward, as nanoGPT's loop does, or a further one ahead with `read_ahead`)."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = iter(loader)
+    batch = next(batches)
+    if read_ahead:
+        next(batches)  # a batch read before the first forward needs it
+    for _ in range(2):
+        out = model(batch["x"]).sum()
+        batch = next(batches)  # the next micro-batch's, fetched before this backward
+        out.backward()
+    optimizer.step()
+    optimizer.step()  # a later step's batches are not kept
+
+
+def test_the_first_step_s_batches_are_kept_as_the_loader_yielded_them_and_read_ahead_shows():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.script_step import _first_step_problem
+
+    data = [{"x": torch.full((3,), float(i)), "id": i} for i in range(8)]
+    with FitRecorder(first_step=True, keep_batches=True) as recorder:
+        _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1))
+    first = recorder.record.first_step
+    assert first.micro_batches == 2 and first.sources == [(0, 1), (0, 2)]
+    assert [b["id"].tolist() for b in first.batches] == [[0, 1], [2, 3]]
+    assert first.batches[1]["x"][:, 0].tolist() == [2.0, 3.0]
+    assert _first_step_problem(recorder.record) == ""
+    with FitRecorder(first_step=True, keep_batches=True) as recorder:
+        _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1), read_ahead=True)
+    assert recorder.record.first_step.sources == [(0, 2), (0, 3)]
+    assert "its loader is not read one batch per micro-batch" in _first_step_problem(recorder.record)
+    with FitRecorder(first_step=True) as recorder:  # not asked: nothing kept, the loader's own iterator
+        _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1))
+    assert recorder.record.first_step.batches == []
+    assert "no DataLoader" in _first_step_problem(recorder.record)
+
+
+def test_the_ranks_micro_batches_are_joined_along_the_batch_dimension_or_the_skip_says_why():
+    from collections import namedtuple
+
+    import torch
+
+    from ddp_conformance.checks.script_step import Unjudged, _size_problem, concatenated
+
+    Pair = namedtuple("Pair", "x y")
+    joined = concatenated([{"pair": Pair(torch.zeros(2, 3), torch.zeros(2)), "task": "lm"},
+                           {"pair": Pair(torch.ones(2, 3), torch.ones(2)), "task": "lm"}])
+    assert isinstance(joined["pair"], Pair) and joined["pair"].x.shape == (4, 3) and joined["task"] == "lm"
+    assert joined["pair"].y.tolist() == [0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(Unjudged, match="cannot be concatenated"):
+        concatenated([torch.zeros(2, 3), torch.zeros(2, 4)])
+    with pytest.raises(Unjudged, match="differ between ranks"):
+        concatenated([(torch.zeros(2), "a"), (torch.zeros(2), "b")])
+    assert "differ in size" in _size_problem([[torch.zeros(4)], [torch.zeros(3)]])
+    assert _size_problem([[torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(4)]]) == ""
