@@ -38,12 +38,13 @@ import numbers
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .memory import shares_its_base
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
+TRACED_RNG = 4096  # the RNG state is kept for the first micro-batches, no more (`FitRecord.rng_trail`)
 # torch 2.13 keeps `forward_sync_buffers` where older releases kept `broadcast_buffers`; both are read
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
                 "forward_sync_buffers", "bucket_bytes_cap")
@@ -87,6 +88,15 @@ class LoaderPass:
         return self.inputs[0] if self.inputs else None
 
 
+class RngMark(NamedTuple):
+    """torch's CPU RNG state as a micro-batch began: what a resumed run must start from to draw what the
+    uninterrupted run drew there."""
+
+    steps: int  # optimizer steps taken before this micro-batch
+    rng: str  # a digest of the RNG state at its forward
+    loader_drew: bool  # a DataLoader drew its own seeds since the micro-batch before it (or since the fit began)
+
+
 @dataclass
 class FirstStep:
     """The fit's first optimizer step as the optimizer got it, in `model.parameters()` order of the
@@ -123,7 +133,11 @@ class FitRecord:
     ddp_modules: list[Any] = field(default_factory=list, repr=False)  # the modules DDPs built in the fit wrap
     passes: list[LoaderPass] = field(default_factory=list)
     first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
-    rng_consumed: bool | None = None  # whether the fit drew from torch's CPU RNG after its first micro-batch
+    # whether the trainer drew from torch's CPU RNG after its first micro-batch (dropout, augmentation, batches
+    # drawn with torch.randint), not counting a DataLoader's own draws as it begins a pass (its `_base_seed`, a
+    # RandomSampler's seed): every loader without a generator makes those, whatever the trainer does
+    rng_consumed: bool | None = None
+    rng_trail: list[RngMark] = field(default_factory=list)  # per micro-batch, the first TRACED_RNG
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
     # whether every gradient the first optimizer step of a DDP model applied was a view (into DDP's
     # buckets, with gradient_as_bucket_view); None: no such step
@@ -197,6 +211,8 @@ class FitRecorder:
         self._open: Any = None  # the StepInfo of the micro-batch in progress
         self._watched: set[type] = set()  # hand-written batch sampler classes whose __iter__ is wrapped
         self._claimed: set[int] = set()  # passes whose batches a batch sampler records
+        self._rng_mark: str | None = None  # the RNG state after the last draw accounted for (`rng_consumed`)
+        self._loader_drew = False  # a DataLoader drew from the RNG since the last RngMark
 
     def __enter__(self) -> FitRecorder:
         import torch
@@ -221,8 +237,7 @@ class FitRecorder:
     def __exit__(self, *exc: object) -> None:
         try:
             self._close_micro_batch()
-            if self.record.first_rng is not None:
-                self.record.rng_consumed = input_digest(self._torch.get_rng_state()) != self.record.first_rng
+            self._settle_rng()
         finally:
             self._stack.close()
 
@@ -257,13 +272,13 @@ class FitRecorder:
             record.model_type, record.model = type(model).__name__, model
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
             self._watch_local_grads(model)
-            record.first_rng = input_digest(self._torch.get_rng_state())
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
             record.synced.append(bool(model.require_backward_grad_sync))
+        self._mark_rng(first)
         record.micro_batches += 1
         if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
             self._keep_batch(record.first_step, len(record.passes) - 1)
@@ -296,6 +311,39 @@ class FitRecorder:
         first = self.record.first_step
         if first is None or first.grads is None:  # only the first step's batches are kept
             self._yielded = (index, count, cpu_copy(batch))
+
+    def _mark_rng(self, first: bool) -> None:
+        record = self.record
+        now = input_digest(self._torch.get_rng_state())
+        if first:
+            record.first_rng, record.rng_consumed = now, False
+        else:
+            self._settle_rng(now)
+        self._rng_mark = now
+        if len(record.rng_trail) < TRACED_RNG:
+            record.rng_trail.append(RngMark(record.optimizer_steps, now, self._loader_drew))
+        self._loader_drew = False
+
+    def _settle_rng(self, now: str | None = None) -> None:
+        """A change of the RNG state since the last mark is a draw of the trainer's (from the first micro-batch on)."""
+        if self._rng_mark is None:
+            return
+        now = now or input_digest(self._torch.get_rng_state())
+        if now != self._rng_mark:
+            self.record.rng_consumed, self._rng_mark = True, now
+
+    @contextlib.contextmanager
+    def _loaders_own_draws(self) -> Iterator[None]:
+        """What the RNG gives inside this block is the DataLoader's own (a pass's seeds), not the trainer's."""
+        self._settle_rng()
+        before = input_digest(self._torch.get_rng_state())
+        try:
+            yield
+        finally:
+            after = input_digest(self._torch.get_rng_state())
+            self._loader_drew = self._loader_drew or after != before
+            if self._rng_mark is not None:
+                self._rng_mark = after
 
     def _watch_local_grads(self, model: Any) -> None:
         """A hook on each trainable parameter sees the gradient this rank's backward computes, before
@@ -389,9 +437,11 @@ class FitRecorder:
             recorder._watch_batch_sampler(getattr(loader, "batch_sampler", None))
             if recorder.listener is not None and hasattr(recorder.listener, "heartbeat"):
                 recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
+            with recorder._loaders_own_draws():  # the pass's `_base_seed`
+                iterator = original(loader)
             if recorder._keep_batches:
-                return _Yields(original(loader), recorder._on_yield, len(recorder.record.passes) - 1)
-            return original(loader)
+                return _Yields(iterator, recorder._on_yield, len(recorder.record.passes) - 1)
+            return iterator
 
         return __iter__
 
@@ -419,7 +469,7 @@ class FitRecorder:
             if target is not None:
                 recorder._claimed.add(len(passes) - 1)
                 target.indexed = True
-            return _recorded(original(sampler), target)
+            return _recorded(original(sampler), target, recorder._loaders_own_draws)
 
         return __iter__
 
@@ -493,8 +543,16 @@ def _trainable(module: Any) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
 
-def _recorded(batches: Iterator[list[int]], target: LoaderPass | None) -> Iterator[list[int]]:
-    for batch in batches:
+def _recorded(batches: Iterator[list[int]], target: LoaderPass | None,
+              loaders_own: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[list[int]]:
+    """The batch sampler's batches, recorded into `target`; a sampler's RNG draws (a RandomSampler
+    seeds itself from torch's RNG at its first batch) are the loader's own."""
+    batches = iter(batches)
+    while True:
+        with loaders_own():
+            batch = next(batches, None)
+        if batch is None:
+            return
         if target is not None:
             if all(isinstance(i, numbers.Integral) for i in batch):
                 target.batches.append([int(i) for i in batch])

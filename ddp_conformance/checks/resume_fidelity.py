@@ -29,15 +29,25 @@ from scratch must agree at step k (the recorder digests the parameters after eve
 fit is not reproducible and no resume can be judged. A resumed fit whose first batch draws from the
 RNG a fresh fit starts with has re-seeded on start, which is named as such.
 
-Diagnosis, first match wins: counters; the weights the resumed trainer starts its first step
-with (captured by the observer) differ from the checkpointed ones (`module.` keys in the file
-named when present); only buffers differ (every parameter matches: BatchNorm statistics not
-checkpointed); optimizer; scheduler; every rank resumes from one RNG state although fresh fits
-give each its own (rank 0's state restored everywhere); and if only the trajectory differs, one more resume
-with the RNG as it was at the checkpoint: if that one matches, the RNG state is not restored;
-if it is fed the same inputs as the uninterrupted run and still differs, state the checkpoint does
-not hold (an EMA or teacher model, optimizer state outside its state_dict); otherwise the data
-position/order is not. When the checkpoint is Lightning's, those two verdicts
+Diagnosis: every cause the evidence tells apart, each on the ranks that have it (each rank compares
+its own resumed state with its own uninterrupted one: a resume where only rank 0 loads the optimizer is
+named on the other ranks). From the states: counters (a lost global step alone, as everything follows
+from it); the weights the resumed trainer starts its first step with (captured by the observer)
+differ from the checkpointed ones (`module.` keys in the file named when present); optimizer;
+scheduler (by its own counters, so a lost one is told from a lost optimizer). Alone: only buffers
+differ (every parameter matches: BatchNorm statistics not checkpointed), or a rank's buffers lost
+with DDP's buffer sync off. Then the RNG, where the trainer draws from torch's RNG while it trains
+(not counting a DataLoader's own seed draws as it begins a pass): the state the resumed run's first
+micro-batch began with, against the uninterrupted run's after step k: a fresh fit's (seeded on
+start); one that follows the state the process had before the resume, or one the trainer sets on
+start whatever that was (told apart by one more resume with the RNG as it was at the checkpoint);
+every rank's the same although fresh fits give each its own (rank 0's restored everywhere). That
+second resume also tells the rest: if it matches, the RNG state is what is lost; if it is fed the
+same inputs as the uninterrupted run and nothing else is named, state the checkpoint does not hold
+(an EMA or teacher model, optimizer state outside its state_dict); where the trainer sets its own
+RNG, inputs that differ may follow from it (batches drawn with torch.randint, as nanoGPT's: said as
+such, never a data position); same indices but other inputs: a transform's state; otherwise the
+data position/order is not restored. When the checkpoint is Lightning's, the RNG and data verdicts
 name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
 """
 
@@ -52,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..adapter import FitObserver, StepInfo, TrainState
+from ..runner.verdict import ranks_label
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import unwrapped
 from .progress import guarded_fit, probe_epoch_steps
@@ -191,7 +202,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     _disturb_rng(ctx.rank)
     first = _FirstStepWeights()
     resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
-        checkpoint, n, observer=obs), inner=first)
+        checkpoint, n, observer=obs), inner=first, all_inputs=True)
     found = differences(full, resumed, rtol)
     figures["differences"] = len(found)
     figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
@@ -202,13 +213,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
     if any(all_gather(bool(found))):
         weights = first.weights if all(all_gather(taken == k)) else None
-        static = _diagnose(found, full, part, weights, checkpoint, n, k) if found else ""
-        statics = all_gather(static)
-        verdict = (_rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n)
-                   or next((v for v in statics if v), "") or _reseeded(ctx, k, n) or _one_rng(ctx, k, n))
+        statics = all_gather(_diagnose(found, full, part, weights, checkpoint, n, k) if found else [])
+        verdict = _rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n) or _follows_all(statics)
         if not verdict:
-            verdict = _rng_or_data(ctx, config, found, full, part, checkpoint, at_checkpoint, n, k)
-            verdict = next((v for v in all_gather(verdict) if v), verdict)
+            rng, data = _rng_or_data(ctx, config, found, full, part, resumed, checkpoint, at_checkpoint, n, k,
+                                     positioned=any(c.lead == POSITION_LOST for causes in statics for c in causes),
+                                     other_causes=any(statics))
+            verdict = _verdict(statics, rng, [data] * ctx.world_size)
         raise ctx.fail(verdict, **figures)
     _only_rank_zero_writes(ctx, written, checkpoint, figures)
     figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
@@ -315,23 +326,101 @@ def _not_reproducible(ctx: CheckContext, k: int) -> str:
             "dropout? (every rank starts with its own fresh seeds, as under torchrun)")
 
 
-def _reseeded(ctx: CheckContext, k: int, n: int) -> str:
-    """The resumed fit's first micro-batch drew from the RNG of a fresh fit's first micro-batch: the
-    trainer seeds its RNG when it starts, after (or instead of) restoring the checkpoint's."""
-    full = ctx.recordings["uninterrupted"]
-    fresh, resumed = full.first_rng, ctx.recordings["resumed"].first_rng
-    # only where the loop draws from the RNG while it trains can the RNG explain a difference
-    if not all(all_gather(fresh is not None and fresh == resumed and bool(full.rng_consumed))):
-        return ""
-    return (f"the RNG state is not restored: {_head(k, n)}, and its first batch after the resume draws from the RNG "
-            "state a fresh fit starts with: the trainer seeds its RNG when it starts and restores no checkpointed "
-            "RNG state after that (restore every rank's RNG state from the checkpoint after any seeding)")
+@dataclass(frozen=True)
+class Cause:
+    """One thing a resume loses: `lead` names it (the ranks it holds on are added after it), `detail`
+    gives the evidence and the remedy."""
+
+    lead: str
+    detail: str
 
 
-def _rank_buffers(statics: list[str]) -> str:
+def _cause(text: str) -> Cause:
+    lead, _, detail = text.partition(": ")
+    return Cause(lead, detail)
+
+
+def _verdict(*groups: list[list[Cause]]) -> str:
+    """Every cause any rank found, once, group by group (each group: one list of causes per rank), each
+    naming its ranks when not every rank has it; the detail is the lowest such rank's."""
+    found: dict[str, tuple[Cause, list[int]]] = {}
+    for per_rank in groups:
+        for rank, causes in enumerate(per_rank):
+            for cause in causes:
+                found.setdefault(cause.lead, (cause, []))[1].append(rank)
+    world = len(groups[0])
+    texts = []
+    for cause, ranks in found.values():
+        others = [r for r in range(world) if r not in ranks]
+        where = f" on {ranks_label(ranks)} (on {ranks_label(others)} it is)" if others else ""
+        texts.append(f"{cause.lead}{where}: {cause.detail}")
+    return "; also: ".join(texts)
+
+
+def _follows_all(statics: list[list[Cause]]) -> str:
+    """A lost global step changes how many steps the resumed run takes: everything else follows from it."""
+    lost = [[c for c in causes if c.lead == STEP_LOST] for causes in statics]
+    return _verdict(lost) if any(lost) else ""
+
+
+RNG_LOST = "the RNG state is not restored"
+RNG_REMEDY = "save and restore the torch/numpy/python RNG states of every rank"
+# what this rank's torch RNG was as the resumed run's first micro-batch began, against the uninterrupted
+# run's as the micro-batch after step k began
+RNG_SAME, RNG_FRESH, RNG_OTHER, RNG_SHIFTED = "same", "fresh", "other", "shifted"
+
+
+def _rng_evidence(ctx: CheckContext, k: int) -> str:
+    """RNG_SAME where the states match or the trainer draws nothing from torch's RNG (so none can
+    matter); RNG_FRESH where the resumed run starts from a fresh fit's first state (seeded on start);
+    RNG_SHIFTED where it differs while a DataLoader drew its own seeds just before it and not before the
+    uninterrupted run's (the loader's draw may be the difference); else RNG_OTHER."""
+    full, resumed = ctx.recordings["uninterrupted"], ctx.recordings["resumed"]
+    at = next((m for m in full.rng_trail if m.steps == k), None)
+    if not full.rng_consumed or at is None or not resumed.rng_trail or resumed.rng_trail[0].rng == at.rng:
+        return RNG_SAME
+    first = resumed.rng_trail[0]
+    if first.rng == full.first_rng:
+        return RNG_FRESH
+    return RNG_SHIFTED if first.loader_drew and not at.loader_drew else RNG_OTHER
+
+
+def _rng_causes(ctx: CheckContext, evidence: str, again: str | None, k: int, n: int,
+                lightning: bool) -> tuple[list[Cause], bool]:
+    """This rank's RNG cause, from its evidence and, where a second resume ran from the RNG state as it
+    was at the checkpoint, whether the first micro-batch's RNG state followed the state the process had
+    (`again`: that resume's first state); and whether the trainer sets an RNG state of its own on start
+    (so that resume's RNG is not the checkpoint's either). Collective (`_one_rng`)."""
+    first = ctx.recordings["resumed"].first_rng
+    followed = again is not None and again != first  # the state before the resume decides: none is restored
+    head = _head(k, n)
+    if evidence == RNG_FRESH:
+        cause = _cause(f"{RNG_LOST}: {head}, and its first batch after the resume draws from the RNG state a fresh "
+                       "fit starts with: the trainer seeds its RNG when it starts and restores no checkpointed RNG "
+                       "state after that (restore every rank's RNG state from the checkpoint after any seeding)")
+    elif evidence in (RNG_OTHER, RNG_SHIFTED) and followed:
+        remedy = LIGHTNING_RNG_REMEDY if lightning else RNG_REMEDY
+        cause = _cause(f"{RNG_LOST}: {head}, and the RNG state its first batch after the resume draws from follows "
+                       "the state the process had before the resume (disturbed here, as a restarted process's is), "
+                       f"not the one the uninterrupted run had at step {k}: {remedy}")
+    elif evidence == RNG_OTHER and again is not None:
+        cause = _cause(f"{RNG_LOST}: {head}, and its first batch after the resume draws from an RNG state the trainer "
+                       "sets when it starts (the same whatever state the process had before), not the one the "
+                       f"uninterrupted run had at step {k}: it seeds its RNG on start (torch.manual_seed) and "
+                       "restores no checkpointed RNG state after that (save every rank's RNG state in the checkpoint "
+                       "and restore it after any seeding)")
+    else:
+        cause = None
+    one = _one_rng(ctx, k, n)  # collective
+    if cause is not None and one:
+        cause = _cause(one)
+    return ([cause] if cause is not None else []), cause is not None and not followed
+
+
+def _rank_buffers(statics: list[list[Cause]]) -> str:
     """Only ranks other than 0 lost their buffers: each rank keeps its own (broadcast_buffers=False),
     and a resume loads rank 0's checkpoint, rank 0's buffers, on every rank."""
-    lost = [rank for rank, verdict in enumerate(statics) if verdict.startswith(BUFFERS_LOST)]
+    lost = [rank for rank, causes in enumerate(statics) if any(c.lead == BUFFERS_LOST for c in causes)]
     if statics[0] or not lost:
         return ""
     return (f"{BUFFERS_LOST} on rank {lost[0]}, while rank 0's are: the ranks keep buffers of their own "
@@ -383,24 +472,32 @@ def _head(k: int, n: int) -> str:
     return f"after resuming at step {k}, the run to step {n} differs from the uninterrupted one"
 
 
+STEP_LOST = "the global step is not restored"
+POSITION_LOST = "the epoch/position in the epoch is not restored"
+SCHEDULER_COUNTERS = ("last_epoch", "_step_count")  # a fresh scheduler's differ whatever the optimizer's state
+
+
 def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first_weights: dict[str, Any] | None,
-              checkpoint: Path, n: int, k: int) -> str:
-    """Name what the checkpoint or the resume loses, from the states alone; "" if they cannot tell."""
+              checkpoint: Path, n: int, k: int) -> list[Cause]:
+    """What the checkpoint or the resume loses on this rank, from the states alone: every cause they can
+    tell apart (none if they cannot tell)."""
     by_part: dict[str, list[Difference]] = {}
     for d in found:
         by_part.setdefault(d.part, []).append(d)
     head = _head(k, n)
+    causes: list[Cause] = []
     if "counters" in by_part:
         c = {d.key: d for d in by_part["counters"]}
         if "global_step" in c:
-            return (f"the global step is not restored: {head} (global_step {c['global_step'].right} instead of "
-                    f"{c['global_step'].left})")
+            return [_cause(f"{STEP_LOST}: {head} (global_step {c['global_step'].right} instead of "
+                           f"{c['global_step'].left})")]
         shown = ", ".join(f"{key} {d.right} instead of {d.left}" for key, d in c.items())
         if set(c) == {"epoch"}:
-            return (f"the epoch/position in the epoch is not restored: {head} ({shown}); the position is, so the "
-                    "resumed run reads the rest of another epoch's shuffle (set_epoch gets the wrong epoch)")
-        return (f"the epoch/position in the epoch is not restored: {head} ({shown}); the resumed run re-reads "
-                "the epoch from its first batch")
+            causes.append(_cause(f"{POSITION_LOST}: {head} ({shown}); the position is, so the resumed run reads "
+                                 "the rest of another epoch's shuffle (set_epoch gets the wrong epoch)"))
+        else:
+            causes.append(_cause(f"{POSITION_LOST}: {head} ({shown}); the resumed run re-reads the epoch from its "
+                                 "first batch"))
     if first_weights is not None:
         saved = parameters(part.params)
         changed = [name for name, t in saved.items()
@@ -409,92 +506,152 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
             prefixed = _module_keys(checkpoint)
             why = (f"; the checkpoint stores DDP-wrapped keys ({prefixed}) that the load silently drops "
                    "(a non-strict load_state_dict?)" if prefixed else "")
-            return (f"the model weights are not restored: the resumed trainer starts step {k + 1} with weights that "
-                    f"differ from the checkpointed ones in {len(changed)} of {len(saved)} tensors "
-                    f"(e.g. {changed[0]}){why}")
+            causes.append(_cause(
+                f"the model weights are not restored: the resumed trainer starts step {k + 1} with weights that "
+                f"differ from the checkpointed ones in {len(changed)} of {len(saved)} tensors "
+                f"(e.g. {changed[0]}){why}"))
     params = by_part.get("params", [])
     if set(by_part) == {"params"} and all(d.key.endswith(BUFFER_SUFFIXES) for d in params):
         worst = max(params, key=lambda d: (not d.key.endswith("num_batches_tracked"), d.delta or 0.0))  # a statistic
-        return (f"{BUFFERS_LOST}: {head} only in its buffers ({worst.describe()}), while every parameter "
-                "matches: the checkpoint or its load keeps the parameters but not the buffers (BatchNorm running "
-                "statistics): save model.state_dict() and load it strictly")
+        return [_cause(f"{BUFFERS_LOST}: {head} only in its buffers ({worst.describe()}), while every parameter "
+                       "matches: the checkpoint or its load keeps the parameters but not the buffers (BatchNorm "
+                       "running statistics): save model.state_dict() and load it strictly")]
     # optimizer *values* (moments) differ whenever the trajectory does; its step counts, missing
-    # entries or hyperparameters differ only when its state was not restored. Before the scheduler:
-    # a lost optimizer also loses the learning rate a restored scheduler then steps from
-    lost = [d for d in by_part.get("optimizer", []) if d.key.endswith(".step") or d.delta is None]
+    # entries or hyperparameters differ only when its state was not restored, except the learning
+    # rate, which a lost scheduler sets (and a lost optimizer loses for a restored scheduler: its own
+    # counters tell the two apart)
+    scheduler = by_part.get("scheduler", [])
+    scheduler_lost = [d for d in scheduler if d.key in SCHEDULER_COUNTERS]
+    lost = [d for d in by_part.get("optimizer", []) if d.key.endswith(".step") or (
+        d.delta is None and not (scheduler_lost and d.key.endswith(".lr")))]
     if lost:
-        return f"the optimizer state is not restored: {head} ({lost[0].describe()})"
-    if "scheduler" in by_part:
-        d = by_part["scheduler"][0]
-        return f"the LR scheduler state is not restored: {head} ({d.describe()})"
-    return ""
+        causes.append(_cause(f"the optimizer state is not restored: {head} ({lost[0].describe()})"))
+    if scheduler_lost or (scheduler and not lost):
+        d = (scheduler_lost or scheduler)[0]
+        causes.append(_cause(f"the LR scheduler state is not restored: {head} ({d.describe()})"))
+    return causes
 
 
 def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: TrainState, part: TrainState,
-                 checkpoint: Path, at_checkpoint: tuple[Any, ...], n: int, k: int) -> str:
-    """Everything restored matched at step k, yet the continued run diverged: resume once more with
-    the RNG as it was at the checkpoint. Matching then means the RNG state is what is lost."""
+                 resumed: TrainState, checkpoint: Path, at_checkpoint: tuple[Any, ...], n: int, k: int, *,
+                 positioned: bool, other_causes: bool) -> tuple[list[list[Cause]], list[Cause]]:
+    """What the states alone cannot tell: whether the RNG state and the data position are restored
+    (every rank's RNG causes, and the data causes every rank shares). The RNG state each rank's
+    resumed run started from is compared with the uninterrupted run's at step k; where that cannot
+    decide, or nothing else explains the difference, resume once more with the RNG as it was at the
+    checkpoint: matching then means the RNG state is what is lost, and what that resume fed its model
+    tells the data position apart. `positioned`: a lost position is named already (the counters);
+    `other_causes`: some rank's state names a cause. Collective."""
     head = _head(k, n)
-    _restore_rng(at_checkpoint)
-    again, _ = guarded_fit(ctx, "resumed-same-rng", n - k, lambda obs: ctx.adapter(config).resume(
-        checkpoint, n, observer=obs), all_inputs=True)
+    lightning = lightning_checkpoint(checkpoint)
+    evidence = _rng_evidence(ctx, k)
+    rerun = not other_causes or any(e in (RNG_OTHER, RNG_SHIFTED) for e in all_gather(evidence))
+    label, again = "resumed", resumed
+    if rerun:
+        _restore_rng(at_checkpoint)
+        label = "resumed-same-rng"
+        again, _ = guarded_fit(ctx, label, n - k, lambda obs: ctx.adapter(config).resume(
+            checkpoint, n, observer=obs), all_inputs=True)
+    mine, overrides = _rng_causes(ctx, evidence, ctx.recordings[label].first_rng if rerun else None, k, n,
+                                  lightning is not None)
+    rng = all_gather(mine)
+    # the second resume's RNG is the checkpoint's unless the trainer sets its own on start
+    uncontrolled = any(all_gather(overrides if rerun else bool(mine)))
     shown = [d for d in found if d.part == "params"] or found
     worst = max(shown, key=lambda d: d.delta or 0.0) if shown else Difference("params", "?", "", "")
-    lightning = lightning_checkpoint(checkpoint)
-    if not differences(full, again, tolerance(ctx)):
-        remedy = LIGHTNING_RNG_REMEDY if lightning is not None else (
-            "save and restore the torch/numpy/python RNG states of every rank")
-        return (f"the RNG state is not restored: {head} ({worst.describe()}) when the RNG is disturbed before the "
-                f"resume, and matches when it is left as it was at step {k}: {remedy}")
+    if rerun and all(all_gather(not differences(full, again, tolerance(ctx)))):
+        if any(rng):
+            return rng, []
+        remedy = LIGHTNING_RNG_REMEDY if lightning is not None else RNG_REMEDY
+        return all_gather([_cause(
+            f"{RNG_LOST}: {head} ({worst.describe()}) when the RNG is disturbed before the "
+            f"resume, and matches when it is left as it was at step {k}: {remedy}")]), []
     tail = full.losses[len(part.losses):]
     diverge = next((i for i, (a, b) in enumerate(zip(tail, again.losses, strict=False)) if a != b), None)
     at = f" from micro-batch {diverge} after the resume" if diverge is not None else ""
-    if _fed_alike(ctx):
-        return (f"state the checkpoint does not hold is lost: {head}{at} ({worst.describe()}) although the resumed "
+    if _fed_alike(ctx, label, k):
+        if other_causes or any(rng):
+            return rng, []
+        return rng, [_cause(
+                f"state the checkpoint does not hold is lost: {head}{at} ({worst.describe()}) although the resumed "
                 "run is fed the inputs the uninterrupted run was fed, with the RNG as it was at the checkpoint and "
                 "the same weights, optimizer and scheduler state: something else the training reads is not saved "
                 "and restored (a second model such as an EMA or teacher copy, a second optimizer, or state an "
                 "optimizer keeps outside its state_dict, a module's tensors that are not registered buffers, a "
-                "generator of its own)")
-    if _read_alike(ctx):
-        return (f"what turns the drawn samples into the model's inputs is not restored: {head}{at} "
+                "generator of its own)")]
+    if uncontrolled:  # the trainer sets its own RNG: inputs that differ may follow from it
+        if not any(all_gather(bool(ctx.recordings[label].training_passes()))):
+            return rng, [_cause(
+                f"{BATCHES_FOLLOW}: no DataLoader fed the training: its batches are drawn from torch's RNG (as "
+                "nanoGPT's get_batch draws torch.randint offsets), so a restored RNG state restores them")]
+        if not _reads_other(ctx, label, k):
+            return rng, []
+    elif _read_alike(ctx, label, k):
+        return rng, [_cause(
+                f"what turns the drawn samples into the model's inputs is not restored: {head}{at} "
                 f"({worst.describe()}) although the resumed run reads the samples the uninterrupted run read after "
                 "the checkpoint (the same dataset indices, in order), with the RNG as it was at the checkpoint and "
                 "the same weights: the model is fed other inputs, so a transform between the sampler and the model "
                 "(mixup or cutmix in the loop, a dataset's augmentation, a collate) draws from state the checkpoint "
                 "does not restore: a generator of its own (a torch.Generator or numpy Generator, not the global "
-                "RNGs) or a schedule; save and restore it")
+                "RNGs) or a schedule; save and restore it")]
+    if positioned:
+        return rng, []
     remedy = "" if lightning is None else f"; {LIGHTNING_DATA_REMEDY[lightning.stateful_loader]}"
-    return (f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
+    return rng, [_cause(
+            f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
             f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
-            f"({worst.describe()}){remedy}")
+            f"({worst.describe()}){remedy}")]
 
 
-def _fed_alike(ctx: CheckContext) -> bool:
-    """Whether, on every rank, the resume with the checkpoint's RNG fed its model the inputs the
-    uninterrupted fit fed after the checkpoint, as many and in order (digests); False where a rank
-    cannot tell (an input with no tensor to digest, a pass longer than DIGESTED_INPUTS). A resume
-    that restarts from the first epoch feeds all of them: as many as the uninterrupted fit, not alike."""
-    full, again = (_fed(ctx.recordings[label]) for label in ("uninterrupted", "resumed-same-rng"))
-    before = ctx.recordings["until-checkpoint"].micro_batches
+BATCHES_FOLLOW = "the batches after the resume differ too, following the RNG"
+
+
+def _before(ctx: CheckContext, k: int) -> int:
+    """Micro-batches the uninterrupted fit ran before step k's successor: where a resume from step k
+    begins (the fit that checkpointed may have begun one more, as a script ended at its next step)."""
+    trail = ctx.recordings["uninterrupted"].rng_trail
+    fallback = ctx.recordings["until-checkpoint"].micro_batches
+    return next((i for i, mark in enumerate(trail) if mark.steps == k), fallback)
+
+
+def _fed_alike(ctx: CheckContext, label: str, k: int) -> bool:
+    """Whether, on every rank, the resume `label` fed its model the inputs the uninterrupted fit fed
+    after the checkpoint, as many and in order (digests); False where a rank cannot tell (an input with
+    no tensor to digest, a pass longer than DIGESTED_INPUTS). A resume that restarts from the first
+    epoch feeds all of them: as many as the uninterrupted fit, not alike."""
+    full, again = (_fed(ctx.recordings[name]) for name in ("uninterrupted", label))
+    before = _before(ctx, k)
     mine = full is not None and again is not None and bool(again) and full[before:] == again
     return all(all_gather(mine))
 
 
-def _read_alike(ctx: CheckContext) -> bool:
-    """Whether, on every rank, the resume with the checkpoint's RNG drew the dataset indices the
-    uninterrupted fit drew after the checkpoint, in order (its last micro-batches' worth: a loader
-    that skips to its position may draw and drop the batches before it), while both fits' inputs
-    were digested (asked after `_fed_alike` said they differ: without digests nothing says so); False
-    where the batches are not lists of indices."""
-    labels = ("uninterrupted", "resumed-same-rng")
-    full, again = (_drawn(ctx.recordings[label]) for label in labels)
-    digested = all(_fed(ctx.recordings[label]) is not None for label in labels)
-    before = ctx.recordings["until-checkpoint"].micro_batches
-    resumed = ctx.recordings["resumed-same-rng"].micro_batches
+def _read_alike(ctx: CheckContext, label: str, k: int) -> bool:
+    """Whether, on every rank, the resume `label` drew the dataset indices the uninterrupted fit drew
+    after the checkpoint, in order (its last micro-batches' worth: a loader that skips to its position
+    may draw and drop the batches before it), while both fits' inputs were digested (asked after
+    `_fed_alike` said they differ: without digests nothing says so); False where the batches are not
+    lists of indices."""
+    labels = ("uninterrupted", label)
+    full, again = (_drawn(ctx.recordings[name]) for name in labels)
+    digested = all(_fed(ctx.recordings[name]) is not None for name in labels)
+    before = _before(ctx, k)
+    resumed = ctx.recordings[label].micro_batches
     mine = (digested and full is not None and again is not None and 0 < resumed <= len(again)
             and full[before:before + resumed] == again[-resumed:])
     return all(all_gather(mine))
+
+
+def _reads_other(ctx: CheckContext, label: str, k: int) -> bool:
+    """Whether every rank's batches were dataset indices and some rank's resume `label` drew others than
+    the uninterrupted fit drew after the checkpoint: its position is lost whatever its RNG did (a
+    DistributedSampler orders by its own seed and epoch)."""
+    full, again = (_drawn(ctx.recordings[name]) for name in ("uninterrupted", label))
+    before, resumed = _before(ctx, k), ctx.recordings[label].micro_batches
+    indexed = full is not None and again is not None and 0 < resumed <= len(again)
+    same = indexed and full[before:before + resumed] == again[-resumed:]  # type: ignore[index]
+    gathered = all_gather((indexed, same))
+    return all(i for i, _ in gathered) and not all(s for _, s in gathered)
 
 
 def _drawn(record: Any) -> list[list[int]] | None:

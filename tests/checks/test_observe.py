@@ -390,3 +390,41 @@ def test_the_ranks_micro_batches_are_joined_along_the_batch_dimension_or_the_ski
         concatenated([(torch.zeros(2), "a"), (torch.zeros(2), "b")])
     assert "differ in size" in _size_problem([[torch.zeros(4)], [torch.zeros(3)]])
     assert _size_problem([[torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(4)]]) == ""
+
+
+@pytest.mark.parametrize(("dropout", "randint_batches", "drew"), [
+    (0.0, False, False),  # the PyTorch DDP tutorial's loop: only the loaders draw (their seeds, each pass)
+    (0.5, False, True),  # dropout
+    (0.0, True, True),  # nanoGPT's batches: torch.randint offsets drawn by the loop
+])
+def test_the_trainer_s_rng_draws_are_told_from_a_dataloader_s_own(dropout, randint_batches, drew):
+    """A DataLoader without a generator draws its `_base_seed` from torch's RNG at every pass, and a
+    RandomSampler its seed at its first batch: that is not the trainer using random numbers, which is
+    what an RNG verdict needs. The RNG state at every micro-batch is kept with the steps before it."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ddp_conformance.checks.observe import FitRecorder
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    loader = DataLoader(data, batch_size=2, shuffle=True)  # RandomSampler, no generator
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(dropout), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with FitRecorder() as recorder:
+        for _epoch in range(3):
+            for x, y in loader:
+                if randint_batches:
+                    picked = torch.randint(len(data), (2,))
+                    x, y = data.tensors[0][picked], data.tensors[1][picked]
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    record = recorder.record
+    assert record.rng_consumed is drew
+    trail = record.rng_trail
+    # the loader's draws: its `_base_seed` and the RandomSampler's seed, before each pass's first batch
+    assert [m.steps for m in trail] == list(range(12))
+    assert [m.loader_drew for m in trail] == [True, False, False, False] * 3
+    assert trail[0].rng == record.first_rng and len({m.rng for m in trail}) == (12 if drew else 3)

@@ -135,6 +135,16 @@ def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug
             assert phrase in results[check]["message"], results[check]["message"]
 
 
+def test_a_script_that_reseeds_and_draws_its_batches_is_blamed_on_its_rng_not_a_data_position(
+        session: dict[str, Any]) -> None:
+    """nanoGPT's shape: no DataLoader, batches drawn with torch.randint from an RNG seeded at every start:
+    the batches after the resume differ because the RNG does, which is not a lost data position."""
+    message = session["results"][spec_of(ROOT / "fixtures" / "mutants" / "script_reseeds_like_nanogpt.py")][
+        "resume_fidelity"]["message"]
+    assert message.startswith("the RNG state is not restored: ") and "it seeds its RNG on start" in message, message
+    assert "data position" not in message and "the batches after the resume differ too, following the RNG" in message
+
+
 UNPLANNED = [path for path in MUTANTS if len(planned(path)) < len(CHECK_IDS)]
 
 

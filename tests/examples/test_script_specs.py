@@ -43,6 +43,11 @@ def test_the_ddp_tutorial_is_checked_by_its_command_line(tmp_path: Path) -> None
     # not a fit that found another fit's snapshot and returned nothing
     resumed = results[(TUTORIAL, "resume_fidelity")]
     assert resumed["outcome"] == "failed" and "TrainState" not in resumed["message"], resumed["message"]
+    # its snapshot resumes from the start of the epoch it was written at the end of; nothing in its training
+    # draws random numbers (a DataLoader's own seed draw is not the trainer's), and its plain SGD keeps no
+    # optimizer state: the position is the one cause
+    assert resumed["message"].startswith("the data position is not restored: "), resumed["message"]
+    assert "RNG state is not" not in resumed["message"] and "optimizer" not in resumed["message"]
     assert resumed["figures"]["checkpoint"] == "snapshot.pt"
     # no fit's snapshot.pt for the next session, and the earlier run's untouched
     assert sorted(p.name for p in repo.iterdir()) == ["ddp_tutorial.py", "snapshot.pt"]
