@@ -23,9 +23,32 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from .resumable import ResumableDataLoader, gather_rng_states, restore_rng_state, rng_state_for_rank
+from .resumable import ResumableDataLoader as _LoopResumableDataLoader
+from .resumable import gather_rng_states, restore_rng_state, rng_state_for_rank
 
 __all__ = ["RNGStateCallback", "ResumableDataLoader"]
+
+
+class ResumableDataLoader(_LoopResumableDataLoader):
+    """`ddp_conformance.resumable.ResumableDataLoader` for Lightning's fit loop, which fetches one
+    batch ahead of the one it trains where it cannot know the epoch's length (a loader with no
+    `__len__`: an IterableDataset), to know which batch is the last. A checkpoint written after batch
+    k then finds k + 1 yielded; that one is not trained, so the saved position leaves it out, and the
+    resumed fit trains it. A loader with a length is not read ahead. (A fit that caps an unsized loader
+    with an integer `limit_train_batches`, or a `training_step` taking `dataloader_iter`, is not read
+    ahead either: use `ddp_conformance.resumable.ResumableDataLoader` there.)"""
+
+    def read_ahead(self) -> int:
+        try:
+            len(self)
+        except TypeError:  # no length: Lightning's _PrefetchDataFetcher holds one batch
+            return LIGHTNING_PREFETCH
+        return 0
+
+
+#: batches Lightning's fit loop fetches ahead of training from a loader with no length
+#: (`_PrefetchDataFetcher(prefetch_batches=1)`, chosen by `_select_data_fetcher`)
+LIGHTNING_PREFETCH = 1
 
 
 class RNGStateCallback(pl.Callback):

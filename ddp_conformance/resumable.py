@@ -5,7 +5,8 @@ Public, torch-only pieces (no Lightning import), used by both references and off
   the middle of an epoch continues with the next batch instead of replaying the epoch. Lightning
   (>= 2.2) saves and restores the state of any train loader that has this pair (its fit loop keeps
   `state_dict()` of every stateful loader in the checkpoint), so in a Lightning project swapping
-  `DataLoader(` for `ResumableDataLoader(` is the whole change; a hand-written loop calls the pair
+  `DataLoader(` for `ddp_conformance.lightning.ResumableDataLoader(` is the whole change (that one
+  also counts out the batch Lightning reads ahead of training); a hand-written loop calls the pair
   itself.
 - RNG state helpers (`capture_rng_state`, `restore_rng_state`, `gather_rng_states`,
   `rng_state_for_rank`), weights_only-safe: `torch.load`'s default since 2.6 rejects numpy arrays.
@@ -47,6 +48,10 @@ class ResumableDataLoader(DataLoader):
       worker seeds (same random augmentation in workers) and a resumed shuffle the same order.
     - Skipped batches are fetched and discarded: cheap for in-memory data, one pass over the
       consumed part of the epoch otherwise.
+    - The position is the batches the loop has trained: those yielded, less `read_ahead()` that a
+      loop fetches before it trains them (none in a plain `for batch in loader`; see
+      `ddp_conformance.lightning.ResumableDataLoader` for Lightning's fit loop). An epoch read to its
+      end is saved as finished, so a resume starts the next one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -56,6 +61,7 @@ class ResumableDataLoader(DataLoader):
         self._pending: dict[str, Any] | None = None
         self._epoch = 0
         self._position = 0
+        self._exhausted = False  # the current epoch's iterator has yielded its last batch
         self._epoch_start = self.generator.get_state() if self.generator is not None else None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -64,7 +70,7 @@ class ResumableDataLoader(DataLoader):
     def _resumable_iter(self) -> Iterator[Any]:
         epoch = self._current_epoch()
         skip = self._apply_pending(epoch)
-        self._epoch, self._position = epoch, 0
+        self._epoch, self._position, self._exhausted = epoch, 0, False
         if self.generator is not None:
             self._epoch_start = self.generator.get_state()
         for index, batch in enumerate(super().__iter__()):
@@ -72,6 +78,12 @@ class ResumableDataLoader(DataLoader):
                 continue
             self._position = index + 1
             yield batch
+        self._exhausted = True
+
+    def read_ahead(self) -> int:
+        """Batches yielded that the loop has not trained yet when it saves a checkpoint: none in a
+        loop that trains each batch as it gets it."""
+        return 0
 
     def _current_epoch(self) -> int:
         """The sampler's epoch (DistributedSampler.set_epoch), else the dataset's (an IterableDataset
@@ -89,7 +101,8 @@ class ResumableDataLoader(DataLoader):
         pending, self._pending = self._pending, None
         if pending is None:
             return 0
-        same_epoch = pending.get("epoch") == epoch and not self._finished(int(pending.get("position", 0)))
+        finished = bool(pending.get("finished")) or self._finished(int(pending.get("position", 0)))
+        same_epoch = pending.get("epoch") == epoch and not finished
         state = pending.get("epoch_generator" if same_epoch else "generator")
         if state is not None and self.generator is not None:
             self.generator.set_state(state)
@@ -103,7 +116,8 @@ class ResumableDataLoader(DataLoader):
             return False
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self._epoch, "position": self._position}
+        trained = self._position if self._exhausted else max(0, self._position - self.read_ahead())
+        state: dict[str, Any] = {"epoch": self._epoch, "position": trained, "finished": self._exhausted}
         if self.generator is not None and self._epoch_start is not None:
             state["epoch_generator"] = self._epoch_start.clone()
             state["generator"] = self.generator.get_state()

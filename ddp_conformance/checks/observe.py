@@ -585,6 +585,9 @@ def fed_digest(inputs: Any) -> str | None:
     import hashlib
 
     digest = hashlib.sha1()
+    if isinstance(inputs, tuple):  # the forward's arguments: a plain number beside the tensors is the step's
+        # position (Lightning's wrapper is called with (batch, batch_idx)), not what the model is fed
+        inputs = tuple(value for value in inputs if not isinstance(value, int))
     return digest.hexdigest()[:16] if _digest_into(digest, inputs) else None
 
 

@@ -496,8 +496,7 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
             causes.append(_cause(f"{POSITION_LOST}: {head} ({shown}); the position is, so the resumed run reads "
                                  "the rest of another epoch's shuffle (set_epoch gets the wrong epoch)"))
         else:
-            causes.append(_cause(f"{POSITION_LOST}: {head} ({shown}); the resumed run re-reads the epoch from its "
-                                 "first batch"))
+            causes.append(_cause(f"{POSITION_LOST}: {head} ({shown}); {_counted_shift(c)}"))
     if first_weights is not None:
         saved = parameters(part.params)
         changed = [name for name, t in saved.items()
@@ -600,7 +599,7 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     remedy = "" if lightning is None else f"; {LIGHTNING_DATA_REMEDY[lightning.stateful_loader]}"
     return rng, [_cause(
             f"the data position is not restored: {head}{at} even with the RNG as it was at the checkpoint and the "
-            f"same weights, so the resumed run reads other batches (the loader restarts or replays the epoch) "
+            f"same weights, so the resumed run reads other batches ({_fed_shift(ctx, label, k)}) "
             f"({worst.describe()}){remedy}")]
 
 
@@ -613,6 +612,55 @@ def _before(ctx: CheckContext, k: int) -> int:
     trail = ctx.recordings["uninterrupted"].rng_trail
     fallback = ctx.recordings["until-checkpoint"].micro_batches
     return next((i for i, mark in enumerate(trail) if mark.steps == k), fallback)
+
+
+def _counted_shift(counters: dict[str, Difference]) -> str:
+    """Which way the resumed run's data position went, from where the two runs end: (epoch, micro-batch
+    in it) behind the uninterrupted run's means batches trained twice, ahead means batches never trained."""
+    def at(side: str) -> tuple[int, int] | None:
+        try:
+            return tuple(int(getattr(counters[key], side)) if key in counters else -1  # type: ignore[return-value]
+                         for key in ("epoch", "position"))
+        except ValueError:
+            return None
+    full, resumed = at("left"), at("right")
+    if full is None or resumed is None or full == resumed:
+        return "the resumed run reads other batches than the uninterrupted one"
+    same_epoch = "epoch" not in counters and -1 not in (full[1], resumed[1])
+    count = f"{abs(full[1] - resumed[1])} micro-batches" if same_epoch else "micro-batches"
+    if resumed < full:
+        return f"the resumed run re-reads {count} it trained before the checkpoint (it ends behind the other run)"
+    return f"the resumed run skips {count} that the uninterrupted run trains (it ends ahead of the uninterrupted run)"
+
+
+def _fed_shift(ctx: CheckContext, label: str, k: int) -> str:
+    """Which way, and how far, the resume with the checkpoint's RNG moved in the data (collective): the
+    uninterrupted run's micro-batch whose inputs (digests) its first micro-batches repeat, against the
+    one at the checkpoint. Later than it: the resume skips batches; earlier: it re-reads them."""
+    full, again = (_fed(ctx.recordings[name]) for name in ("uninterrupted", label))
+    before = _before(ctx, k)
+    mine = None if full is None or not again else _offset(full, again, before)
+    shifts = all_gather(mine)
+    rank, shift = next(((r, s) for r, s in enumerate(shifts) if s), (0, None))
+    where = "" if len(set(shifts)) == 1 else f" on rank {rank}"
+    if shift is None:
+        return "the loader restarts, replays or skips part of the epoch"
+    plural = "" if abs(shift) == 1 else "es"
+    if shift < 0:
+        return (f"it re-reads {-shift} micro-batch{plural} it trained before the checkpoint{where}: its first inputs "
+                f"are those of the uninterrupted run's micro-batch {before + shift}, not {before}")
+    return (f"it skips {shift} micro-batch{plural} the uninterrupted run trains after the checkpoint{where}: its "
+            f"first inputs are those of the uninterrupted run's micro-batch {before + shift}, not {before}")
+
+
+def _offset(full: list[str], again: list[str], before: int) -> int | None:
+    """Where in `full` the inputs `again` begin, relative to `before`: of the places where `again`'s
+    first micro-batches (two, or all of `again`) follow in `full`, the one nearest `before` (an epoch
+    that repeats its order matches once an epoch; a resume that re-reads may then cut the epoch short)."""
+    need = min(2, len(again))
+    found = [start for start in range(len(full) - need + 1) if full[start:start + need] == again[:need]]
+    best = min(found, key=lambda start: abs(start - before), default=None)
+    return None if best is None or best == before else best - before
 
 
 def _fed_alike(ctx: CheckContext, label: str, k: int) -> bool:

@@ -29,6 +29,8 @@ from .observe import dropped_tail
 from .progress import guarded_fit, probe_epoch_steps
 from .sampling import analyse, analyse_started_epoch, per_rank_split
 
+#: SPEC forms checked with no adapter the user wrote (spec.LIGHTNING_PREFIX, script_adapter.SCRIPT_PREFIX)
+NO_ADAPTER_PREFIXES = ("lightning:", "script:")
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
 #: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
@@ -204,9 +206,27 @@ def _cross_check(ctx: CheckContext, complete: list[Any], figures: dict[str, Any]
     wrong = [(rank, m) for rank, m in enumerate(mismatches) if m]
     if wrong:
         rank, (epoch, position, said, drew) = wrong[0]
+        if not _has_adapter(ctx):
+            raise ctx.fail(f"the train loader yields other samples each time it is built: on rank {rank}, epoch "
+                           f"{epoch}, batch {position} of a probe fit's loader is {said} where the checked fit's own "
+                           f"loader drew {drew} (its order depends on more than the seed and the epoch, so the "
+                           "checks that read the loader outside the fit judge batches it never trains)", **figures)
         raise ctx.fail(f"make_loader yields samples the fit never consumed: on rank {rank}, epoch {epoch}, batch "
                        f"{position} of make_loader is {said} where the fit's own loader drew {drew} (the adapter "
                        "restates the loop differently from what the loop does)", **figures)
+
+
+def _has_adapter(ctx: CheckContext) -> bool:
+    """Whether the user wrote the trainer's adapter: a `lightning:` or `script:` SPEC is checked with
+    none (the harness reads its loader itself), so no verdict may blame an adapter there."""
+    return not ctx.spec.startswith(NO_ADAPTER_PREFIXES)
+
+
+def _no_helpers(ctx: CheckContext) -> str:
+    """Why no `make_loader`/`batch_indices` indices exist, as the trainer's shape says it."""
+    if _has_adapter(ctx):
+        return "the adapter provides no make_loader/batch_indices to read indices from"
+    return "the trainer's loader cannot be read outside its fit for indices (no DataLoader over a map-style dataset)"
 
 
 def _first_difference(helper: list[list[list[int]]],
@@ -229,7 +249,7 @@ def _judge_unindexed(ctx: CheckContext, complete: list[Any]) -> dict[str, Any]:
     helper = _helper_epochs(ctx)
     if helper is None and fed["indices_from"]:
         ctx.note(f"{why}: only the fit's inputs are judged (no batch fed to two ranks), not a partition of the "
-                 "dataset, since the adapter provides no make_loader/batch_indices to read indices from")
+                 f"dataset, since {_no_helpers(ctx)}")
         return fed
     figures = {**fed, **_judge_from_helpers(ctx, why, helper)}
     if fed["indices_from"]:
@@ -244,7 +264,7 @@ def _judge_from_helpers(ctx: CheckContext, why: str, helper: Any = None) -> dict
     __tracebackhide__ = hide_on_verdict
     helper = helper if helper is not None else _helper_epochs(ctx)
     if helper is None:
-        pytest.skip(f"{why}, and the adapter provides no make_loader/batch_indices to read indices from")
+        pytest.skip(f"{why}, and {_no_helpers(ctx)}")
     ctx.note(f"indices read from make_loader, not from the fit: {why}")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
     figures = _judge(ctx, helper, size, ctx.config.data.shuffle, tail=_helper_tail(ctx))

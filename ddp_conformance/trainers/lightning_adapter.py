@@ -5,9 +5,10 @@
 it does in a real fit, observed through public hooks, never re-implemented:
 
 - data (`make_dataset`, `make_loader`, `batch_indices`, `collate`): a *probe*, one short
-  `Trainer.fit` (one batch in each of two epochs) whose callback reads `trainer.train_dataloader` at
-  the start of every epoch: the loader Lightning built from `train_dataloader()`, with its
-  DistributedSampler injected and `set_epoch` already applied by the fit loop. The epoch's batches
+  `Trainer.fit` (one batch in each of three epochs) whose callback reads `trainer.train_dataloader` at
+  every epoch's first batch: the loader Lightning built from `train_dataloader()`, with its
+  DistributedSampler injected, as the fit reads it, after Lightning's `set_epoch` and every
+  `on_train_epoch_start` (the module's own may tell a hand-written batch sampler its epoch). The epoch's batches
   are read from that loader's batch sampler (indices into its `dataset`), so no sample has to carry
   its index; `collate` is the loader's `collate_fn`. The module and datamodule are built, and the
   fit runs, from the rank's own RNG state with no `seed_everything` (as in a fresh torchrun process
@@ -348,15 +349,20 @@ class InstallRNG(pl.Callback):
 
 
 class ReadLoader(pl.Callback):
-    """The probe's eyes: at each epoch's start, the train loader Lightning prepared, and the dataset
-    indices of each of that epoch's batches."""
+    """The probe's eyes: each epoch, the train loader Lightning prepared, and the dataset indices of
+    each of that epoch's batches, read as the fit reads them: at the epoch's first batch, after every
+    epoch-start hook has run (Lightning's `set_epoch`, then the callbacks' and the module's own
+    `on_train_epoch_start`, where a module tells a hand-written batch sampler its epoch)."""
 
     def __init__(self) -> None:
         self.loader: DataLoader | None = None
         self.epochs: list[list[list[int]]] = []
         self.problem = ""
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if len(self.epochs) > trainer.current_epoch or self.problem:
+            return  # this epoch's batches are read already
         loader = trainer.train_dataloader
         if not isinstance(loader, DataLoader):
             self.problem = f"its train_dataloader() gives {type(loader).__name__}, not one DataLoader"

@@ -86,7 +86,48 @@ def test_the_lightning_module_is_import_light_and_exports_the_two_pieces():
     from ddp_conformance import lightning
 
     assert lightning.__all__ == ["RNGStateCallback", "ResumableDataLoader"]
-    assert lightning.ResumableDataLoader is ResumableDataLoader
+    assert issubclass(lightning.ResumableDataLoader, ResumableDataLoader)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """Ten samples streamed in order, with no length (so Lightning cannot know where an epoch ends)."""
+
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_over_an_unsized_stream_a_plain_loop_resumes_at_the_next_batch_and_a_finished_epoch_at_the_next_one():
+    loader = ResumableDataLoader(Stream(), batch_size=2)
+    batches = iter(loader)
+    trained = [next(batches).tolist() for _ in range(2)]
+    resumed = ResumableDataLoader(Stream(), batch_size=2)
+    resumed.load_state_dict(loader.state_dict())
+    assert trained == [[0, 1], [2, 3]] and next(iter(resumed)).tolist() == [4, 5]
+    assert len(list(loader)) == 5  # an epoch read to its end (Lightning's fetcher reads one past the last)
+    finished = ResumableDataLoader(Stream(), batch_size=2)
+    finished.load_state_dict(loader.state_dict())
+    assert len(list(finished)) == 5  # the next epoch, whole: not its first five batches skipped
+
+
+def test_under_lightning_the_batch_its_fit_loop_fetched_ahead_is_left_out_of_the_position():
+    """Lightning's own fetcher, as its fit loop drives it: it reads an unsized loader one batch ahead
+    (a guard on that private rule: a Lightning that stops doing so fails here), and the saved position
+    counts the batches handed to training, so the resume trains the one fetched ahead."""
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+    from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+    from ddp_conformance.lightning import ResumableDataLoader as LightningLoader
+
+    for dataset, ahead in ((Stream(), 1), (list(range(10)), 0)):
+        loader = LightningLoader(dataset, batch_size=2)
+        fetcher = _PrefetchDataFetcher()
+        fetcher.setup(CombinedLoader(loader))
+        iter(fetcher)
+        trained = [next(fetcher)[0].tolist() for _ in range(2)]
+        assert loader._position == 2 + ahead, "Lightning's fetcher reads ahead as ResumableDataLoader.read_ahead says"
+        resumed = LightningLoader(dataset, batch_size=2)
+        resumed.load_state_dict(loader.state_dict())
+        assert trained == [[0, 1], [2, 3]] and next(iter(resumed)).tolist() == [4, 5]
 
 
 # --- the RNG callback in a Lightning fit and resume (one process, Lightning's single-device path) ------
