@@ -20,16 +20,28 @@ def grads_of(model: Any) -> dict[str, Any]:
             for name, p in unwrapped(model).named_parameters() if p.requires_grad}
 
 
+# A gradient summed over samples rounds relative to its summands, which can cancel: a 2-class head's
+# bias gradient measured 3.9e-4 while the same step's largest gradient was ~0.15, and two correct fp32
+# computations of it (DDP's average of the ranks' shards, one process on the whole batch) differed by
+# 7.5e-9, twice rtol x its own max (fixtures/mutants/script_rank_shards_in_place_grads.py). So a
+# parameter's scale is at least this fraction of the largest gradient of the step; a parameter whose
+# gradients are all wrong by O(1) of themselves is still caught unless they are ~1e-7 of that largest.
+SCALE_FLOOR = 1e-2
+
+
 def max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
-    """(parameter, max |a - b|, max |b|) of the parameter whose delta is largest relative to b."""
+    """(parameter, max |a - b|, its scale) of the parameter whose delta is largest relative to its
+    scale: max |b| of that parameter, at least SCALE_FLOOR x the largest |b| of any parameter."""
     worst = ("", 0.0, 0.0)
     worst_rel = -1.0
+    floor = SCALE_FLOOR * max((float(ref.abs().max()) for ref in b.values() if ref is not None and ref.numel()),
+                              default=0.0)
     for name, ref in b.items():
         got = a.get(name)
         if got is None or ref is None:
             continue
         delta = float((got - ref).abs().max()) if ref.numel() else 0.0
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        scale = max(float(ref.abs().max()), floor) if ref.numel() else 0.0
         rel = delta / scale if scale > 0 else (0.0 if delta == 0 else float("inf"))
         if rel > worst_rel:
             worst, worst_rel = (name, delta, scale), rel

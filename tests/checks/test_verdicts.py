@@ -245,13 +245,14 @@ def test_tensors_stepped_outside_the_model_are_compared_only_where_they_start_al
 
 
 def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restored_everywhere():
-    from ddp_conformance.checks.resume_fidelity import BUFFERS_LOST, _rank_buffers
+    from ddp_conformance.checks.resume_fidelity import BUFFERS_LOST, _cause, _rank_buffers
 
-    assert _rank_buffers(["", f"{BUFFERS_LOST}: after ..."]).startswith(
+    assert _rank_buffers([[], [_cause(f"{BUFFERS_LOST}: after ...")]]).startswith(
         f"{BUFFERS_LOST} on rank 1, while rank 0's are: the ranks keep buffers of their own "
         "(forward_sync_buffers=False")
-    assert _rank_buffers([f"{BUFFERS_LOST}: x", f"{BUFFERS_LOST}: y"]) == ""  # every rank: the checkpoint's fault
-    assert _rank_buffers(["", ""]) == ""
+    every = [[_cause(f"{BUFFERS_LOST}: x")], [_cause(f"{BUFFERS_LOST}: y")]]
+    assert _rank_buffers(every) == ""  # every rank: the checkpoint's fault
+    assert _rank_buffers([[], []]) == ""
 
 
 def test_a_sampler_that_cannot_say_draws_with_replacement_when_a_rank_repeats_an_index():
