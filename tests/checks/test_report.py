@@ -139,6 +139,7 @@ def _has_pytest_html() -> bool:
     return True
 
 
+@pytest.mark.slow  # one whole suite session; test_suite.py checks its own session's report and matrix
 def test_a_real_run_writes_a_report_its_schema_accepts(real_run: dict[str, Any]) -> None:
     jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is a dev extra")
     doc = real_run["doc"]
@@ -154,6 +155,7 @@ def test_a_real_run_writes_a_report_its_schema_accepts(real_run: dict[str, Any])
     assert {r["spec"] for r in doc["results"]} == {"torch", f"{MUTANT}:Trainer"}
 
 
+@pytest.mark.slow  # one whole suite session; test_suite.py checks its own session's report and matrix
 def test_a_real_run_prints_a_matrix_that_fits(real_run: dict[str, Any]) -> None:
     out = real_run["proc"].stdout.splitlines()
     start = next(i for i, line in enumerate(out) if "ddp conformance (world size 2, gloo)" in line)
@@ -163,6 +165,7 @@ def test_a_real_run_prints_a_matrix_that_fits(real_run: dict[str, Any]) -> None:
 
 
 @pytest.mark.skipif(not _has_pytest_html(), reason="pytest-html is not installed (a dev extra)")
+@pytest.mark.slow  # one whole suite session; test_suite.py checks its own session's report and matrix
 def test_pytest_html_rows_carry_the_figures_and_the_verdict(real_run: dict[str, Any]) -> None:
     blob = re.search(r'data-jsonblob="([^"]*)"', real_run["html"])
     assert blob, "pytest-html's data blob not found: its page layout changed"

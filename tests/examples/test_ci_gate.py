@@ -68,6 +68,7 @@ def test_faulty_trainers_get_one_clear_line_and_the_session_goes_on(pytester: py
     assert out.count("Traceback (most recent call last)") == 0
 
 
+@pytest.mark.slow  # two whole sessions; test_example_repo_is_gated_by_the_suite runs the command once
 def test_the_same_command_runs_twice_with_paths_relative_to_where_it_was_typed(pytester: pytest.Pytester) -> None:
     """A repo without a pytest ini file, a file SPEC and a report outside the repo: once the report
     exists, pytest (which picks its rootdir before it knows plugin options) takes `../logs/r.json` for

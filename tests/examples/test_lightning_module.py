@@ -80,6 +80,7 @@ def outcomes(results: dict[str, Any]) -> dict[str, str]:
     return {check: results[check]["outcome"] for check in CHECK_IDS}
 
 
+@pytest.mark.slow  # one whole suite session; test_suite.py holds lightning: SPECs to every check
 def test_the_example_passes_every_check_with_no_adapter(session: dict[str, Any]) -> None:
     results = session["results"]["example"]
     assert outcomes(results) == {**dict.fromkeys(CHECK_IDS, "passed"), "bucket_view_memory": "skipped"}, results
@@ -88,6 +89,7 @@ def test_the_example_passes_every_check_with_no_adapter(session: dict[str, Any])
     assert session["proc"].returncode == 1  # the twins and the demo are red
 
 
+@pytest.mark.slow  # one whole suite session; test_suite.py holds lightning: SPECs to every check
 @pytest.mark.parametrize("twin", list(TWINS))
 def test_each_broken_twin_fails_resume_fidelity_with_the_remedy(session: dict[str, Any], twin: str) -> None:
     results = session["results"][twin]
@@ -98,6 +100,7 @@ def test_each_broken_twin_fails_resume_fidelity_with_the_remedy(session: dict[st
         assert words in verdict, verdict
 
 
+@pytest.mark.slow  # one whole suite session; test_suite.py holds lightning: SPECs to every check
 def test_a_module_that_ships_with_lightning_checked_as_it_is(session: dict[str, Any]) -> None:
     """BoringModel + BoringDataModule (lightning/pytorch/demos/boring_classes.py), judged by its code:
     - `RandomDataset` is `torch.randn(length, size)` without a seed, built in the datamodule's

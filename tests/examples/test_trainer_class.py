@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,7 @@ def run_suite(repo: Path, *extra: str) -> dict[str, dict]:
     return {r["check"]: r for r in json.loads(report.read_text())["results"]}
 
 
+@pytest.mark.slow  # a whole suite session on the example; test_suite.py holds class trainers to every check
 def test_a_trainer_class_is_gated_and_its_broken_twin_is_red(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "examples" / "trainer_class", repo)
