@@ -62,6 +62,7 @@ class CheckContext:
     # what the harness changed in the run config ("trainer.devices: 'auto' replaced by 2"): noted once
     # the first adapter shows that the trainer takes the config (a script runs its own command line)
     config_notes: list[str] = field(default_factory=list)
+    takes_config: bool | None = None  # None until the first adapter is built
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True
@@ -123,8 +124,9 @@ class CheckContext:
         notes = getattr(adapter, "conformance_notes", None)
         if isinstance(notes, list):
             self.adapter_notes.append(notes)
-        if getattr(adapter, "takes_config", True):
-            self.notes.extend(n for n in self.config_notes if n not in self.notes)
+        self.takes_config = bool(getattr(adapter, "takes_config", True))
+        for text in self.config_notes:
+            self.config_note(text)
         self.config_notes = []
         return adapter  # type: ignore[return-value]  # a TrainerAdapter in all but name
 
@@ -142,6 +144,14 @@ class CheckContext:
             first = str(cause).splitlines()[0] if str(cause) else ""
             raise TrainerBuildError(f"trainer {adapter_name(trainer_label(self.spec))} could not be built: "
                                     f"{type(cause).__name__}{': ' if first else ''}{first}") from cause
+
+    def config_note(self, text: str) -> None:
+        """A note on what the harness did to the run config: kept only for a trainer that takes the
+        config (held until the first adapter says whether it does)."""
+        if self.takes_config is None:
+            self.config_notes.append(text)
+        elif self.takes_config and text not in self.notes:
+            self.note(text)
 
     def note(self, text: str) -> None:
         """Something the check changed or could not do; reported with the figures."""

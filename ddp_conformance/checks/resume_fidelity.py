@@ -232,7 +232,7 @@ def _with_dropout(ctx: CheckContext) -> RunConfig:
     config = ctx.config
     if config.model.dropout == 0:
         config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
-        ctx.note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
+        ctx.config_note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
                  "shows (a trainer that ignores the config's model section keeps its own model)")
     return config
 
