@@ -14,7 +14,8 @@ legitimately differ between a shard and the whole batch, and are not what DDP sy
 Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by precision, from
 ../shared/notes/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
 relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
-Gradients that are all exactly zero on both sides fail (`vacuity.py`): "0 equals 0" proves nothing.
+Gradients that are all exactly zero on both sides prove nothing ("0 equals 0"): the check skips,
+naming rank_participation, whose verdict a fit that never trains is (`vacuity.py`).
 A failure names the parameter, its max |delta| and the tolerance, and a cause when the evidence
 points to one: a ratio of exactly 1/world_size (a loss divided by the world size on top of DDP's
 averaging, when the trainer's loss in the real world is 1/world of the same loss computed in a
@@ -42,6 +43,7 @@ from .observe import unwrapped
 from .one_world import world_of_one
 from .script_step import judge_script_step
 from .states import item_digest
+from .vacuity import skip_as_vacuous
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
 # measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed
@@ -135,9 +137,11 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
     accumulate = ctx.config.trainer.accumulate_grad_batches
     left_out = [r for r, out in enumerate(all_gather(_left_out(ddp_g, single_g, own_g, rtol, world))) if out]
-    verdicts = all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))
-                          or _verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
-                                      cause, left_out))
+    vacuous = [v for v in all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))) if v]
+    if vacuous:
+        skip_as_vacuous(vacuous[0])
+    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
+                                   cause, left_out))
     failing = [v for v in verdicts if v]
     if failing:  # every rank raises the first failing rank's verdict, so the ranks' reports merge
         raise ctx.fail(failing[0], **figures)

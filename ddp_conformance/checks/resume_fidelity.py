@@ -24,7 +24,8 @@ ranks' parameters must stay identical after each of its steps (a `no_sync` that 
 epoch's last short accumulation window, parameters unfrozen after DDP was built, part them later).
 
 Before anything is compared, the uninterrupted fit must have trained (`vacuity.py`): a fit whose
-gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds; and the two fits
+gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds, so the check skips,
+naming rank_participation, whose verdict a fit that never trains is; and the two fits
 from scratch must agree at step k (the recorder digests the parameters after every step), or the
 fit is not reproducible and no resume can be judged. A resumed fit whose first batch draws from the
 RNG a fresh fit starts with has re-seeded on start, which is named as such.
@@ -68,7 +69,7 @@ from .observe import unwrapped
 from .progress import guarded_fit, probe_epoch_steps
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .states import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .vacuity import TrainingEvidence, vacuity_verdict
+from .vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -249,7 +250,8 @@ def _uninterrupted(ctx: CheckContext, config: RunConfig, n: int, figures: dict[s
                                  inner=evidence, extra=evidence_of, all_inputs=True)
     vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
     if vacuous:
-        raise ctx.fail(vacuous, **figures)
+        ctx.figures.update(figures)
+        skip_as_vacuous(vacuous)
     return full
 
 

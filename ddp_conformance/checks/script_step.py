@@ -42,6 +42,7 @@ from .gradients import clipping, fit_diagnosis, max_delta
 from .observe import FitRecord, FitRecorder, children, rebuilt, unwrapped
 from .one_world import world_of_one
 from .progress import guarded_fit
+from .vacuity import skip_as_vacuous
 
 LABEL = "script_step"
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
@@ -87,7 +88,10 @@ def judge_script_step(ctx: CheckContext, adapter: Any, rtol: float, missing: Not
                                "max_rel_delta": delta / scale if scale else 0.0,
                                "per_rank_batch": _samples(first.batches[0])}
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
-    verdict = _vacuous(fit, whole) or ("" if delta <= rtol * scale else fit_diagnosis(
+    vacuous = [v for v in all_gather(_vacuous(fit, whole)) if v]
+    if vacuous:
+        skip_as_vacuous(vacuous[0])
+    verdict = ("" if delta <= rtol * scale else fit_diagnosis(
         fit, whole, lambda: _or_none(lambda: rerun.gradients(ranks[ctx.rank])), lambda: None,
         ctx.world_size, first.micro_batches, rtol, where))
     failing = [v for v in all_gather(verdict) if v]

@@ -17,7 +17,7 @@ reads every rank's evidence and reaches the same verdict.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from ..adapter import FitObserver, StepInfo, TrainState
 from .base import fmt
@@ -89,3 +89,11 @@ def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
                 f"({values}) although the batches and parameters change: the loss does not depend on the model, or "
                 "the trainer reports a constant")
     return ""
+
+
+def skip_as_vacuous(verdict: str) -> NoReturn:
+    """A fit that cannot change the model agrees with every comparison, and proves none: that it does
+    not train is rank_participation's verdict, so a check that compares skips, naming it."""
+    import pytest
+
+    pytest.skip(f"{verdict}: there is nothing to compare (rank_participation fails the trainer for it)")
