@@ -47,6 +47,7 @@ def test_example_repo_is_gated_by_the_suite(pytester: pytest.Pytester) -> None:
     assert verdict["outcome"] == "failed" and "set_epoch" in verdict["message"]
 
 
+@pytest.mark.slow  # a whole session; tests/checks/test_failure_reports.py reports an unbuildable trainer once
 def test_faulty_trainers_get_one_clear_line_and_the_session_goes_on(pytester: pytest.Pytester) -> None:
     faulty = ROOT / "fixtures" / "faulty"
     result = pytester.runpytest_subprocess(

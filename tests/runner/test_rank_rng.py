@@ -117,7 +117,7 @@ def test_hashes(ddp):
 """
 
 
-@pytest.mark.parametrize("hash_seed", [None, "0"])
+@pytest.mark.parametrize("hash_seed", [None, pytest.param("0", marks=pytest.mark.slow)])  # the set seed: -m slow
 def test_rank_zero_hashes_strings_as_another_interpreter_unless_pythonhashseed_is_set(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, hash_seed: str | None) -> None:
     """torchrun's ranks are separate interpreters, each with its own str hash secret: a vocabulary built
