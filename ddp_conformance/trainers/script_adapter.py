@@ -71,6 +71,7 @@ from typing import Any
 from unittest import mock
 
 from ..adapter import NotProvided, TrainerAdapter
+from ..runner.seeds import fresh_seeds
 
 SCRIPT_PREFIX = "script:"
 FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at")
@@ -226,6 +227,11 @@ class ScriptAdapter(TrainerAdapter):
             raise self._no_resume()
         directory = Path(checkpoint_dir) if checkpoint_dir else self._own_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        # a fit from scratch is a fresh torchrun process: its own seeds on every rank, not what an earlier
+        # fit in this rank left (a script that seeds after an unseeded random_split would otherwise hand
+        # its seed to the next fit's split, and every rank would draw the same one). A resume keeps the RNG
+        # as the check sets it: resume_fidelity resumes with the checkpoint's RNG to tell what is lost.
+        fresh_seeds()
         values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(directory),
                   "checkpoint_at": str(checkpoint_at) if checkpoint_at else None}
         taken, overran = self._run(self.fit_command, directory, values, steps, past_save=bool(checkpoint_at))

@@ -83,6 +83,35 @@ def test_files_written_into_the_spec_folder_are_named(tmp_path):
                                          "{checkpoint_dir}: files a later fit or session may read"]
 
 
+SPLITS_THEN_SEEDS = """
+    import torch
+
+    drawn = torch.randperm(1000)[:8].tolist()  # an unseeded random_split's draw
+    with open("drawn.txt", "w") as out:
+        out.write(repr(drawn))
+    torch.manual_seed(0)  # seeded only after it, as the model is
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+"""
+
+
+def test_every_fit_starts_from_fresh_seeds_as_a_new_torchrun_process(tmp_path):
+    """A script that seeds after an unseeded draw left its seed to the next fit in the same rank, so
+    the next fit's draw was the same on every rank (a per-rank random_split went unseen)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(textwrap.dedent(SPLITS_THEN_SEEDS))
+    adapter = adapter_for("script:train.py", repo, tmp_path / "work")
+    draws = []
+    for _ in range(3):
+        adapter.fit(1)
+        newest = max(fit_dirs(tmp_path / "work"), key=lambda d: d.stat().st_mtime_ns)
+        draws.append((newest / "drawn.txt").read_text())
+    assert len(set(draws)) == 3, draws
+
+
 def test_a_snapshot_an_earlier_run_left_in_the_spec_folder_is_not_shown(tmp_path):
     repo = repo_with(tmp_path, "snapshot_in_cwd.py")
     (repo / "data").mkdir()
