@@ -22,21 +22,19 @@ own DDP and its gradients at the optimizer step, from its real run.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import inspect
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 import pytest
 
 from ..adapter import NotProvided
 from ..trainers.script_adapter import SCRIPT_PREFIX
 from .base import CheckContext, all_gather, hide_on_verdict, human_bytes
-from .bucket_view_memory import MIN_GRAD_BYTES, PAIRS, STEPS, _fit_keeps_the_views, saving_problem
+from .bucket_view_memory import MIN_GRAD_BYTES, PAIRS, STEPS, _fit_keeps_the_views, _grad_bytes, saving_problem
 from .memory import heap_counter, settle
+from .observe import ddp_argument_forced
 from .progress import guarded_fit
 
 WARM_UPS = 1  # measured runs discarded before the pairs: the first forced run pays one-off allocations
@@ -57,7 +55,7 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     record = ctx.recordings.pop("fit-setting")
     flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     views = all_gather(record.grads_were_views)
-    grad_bytes = max(all_gather(_grad_bytes(record.model)))
+    grad_bytes = max(all_gather(0 if record.model is None else _grad_bytes(record.model)))
     del record  # its model and data are not held through the measured runs
     ctx.figures.update(fit_ddp_gradient_as_bucket_view_per_rank=flags, grad_bytes=grad_bytes)
     if None in flags:
@@ -94,12 +92,6 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
 
 def _fit(ctx: CheckContext) -> Callable[[Any], Any]:
     return lambda observer: ctx.adapter().fit(STEPS, observer=observer)
-
-
-def _grad_bytes(model: Any) -> int:
-    if model is None:
-        return 0
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _saving(ctx: CheckContext, grad_bytes: int) -> tuple[str | None, str]:
@@ -162,7 +154,7 @@ def _held_at_last_step(ctx: CheckContext, read: Callable[[], int], flag: bool, r
     base = settle(read)
     handle = register_optimizer_step_pre_hook(before_step)
     try:
-        with _forced_flag(flag):
+        with ddp_argument_forced("gradient_as_bucket_view", flag):
             guarded_fit(ctx, label, STEPS, _fit(ctx))
     finally:
         handle.remove()
@@ -170,21 +162,3 @@ def _held_at_last_step(ctx: CheckContext, read: Callable[[], int], flag: bool, r
     if "held" not in seen:
         raise RuntimeError(f"the fit took {seen['steps']} optimizer steps, not {STEPS}")
     return int(seen["held"]) - base
-
-
-@contextlib.contextmanager
-def _forced_flag(flag: bool) -> Iterator[None]:
-    """Every `DistributedDataParallel(...)` built meanwhile gets gradient_as_bucket_view=`flag`, its
-    other arguments as the caller gave them (by keyword or by position)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    original = DistributedDataParallel.__init__
-    signature = inspect.signature(original)
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["gradient_as_bucket_view"] = flag
-        original(*bound.args, **bound.kwargs)
-
-    with mock.patch.object(DistributedDataParallel, "__init__", __init__):
-        yield

@@ -26,7 +26,7 @@ from typing import Any
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
-from .observe import FitRecord, unwrapped
+from .observe import FitRecord, trains_batchnorm
 from .one_world import world_of_one
 from .progress import guarded_fit
 
@@ -80,15 +80,12 @@ def _as_in(dataset: Any, first: Any) -> list[list[int]]:
 
 def _unjudgeable(record: FitRecord) -> str:
     """Why this rank's first step cannot be recomputed in one process, or ""."""
-    import torch
-
     first = record.first_step
     if first is None or first.grads is None:
         return "no optimizer step of the fit was seen"
     if first.rng_drawn:
         return "the fit drew random numbers during it (dropout, random augmentation), which one process cannot redraw"
-    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-    if any(isinstance(m, norms) and m.training for m in unwrapped(record.model).modules()):
+    if trains_batchnorm(record.model):
         return "the model has BatchNorm in training mode, which normalises each micro-batch by its own statistics"
     passes = record.training_passes()
     if not passes or not passes[0].indexed or len(passes[0].batches) < first.micro_batches:

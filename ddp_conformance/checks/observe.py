@@ -721,3 +721,36 @@ def _cpu(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_cpu(v) for v in value)
     return value
+
+
+@contextlib.contextmanager
+def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
+    """Every `DistributedDataParallel(...)` built meanwhile gets `name=value`, its other arguments as
+    the caller gave them (by keyword or by position): a trainer's own DDP, rerun with one setting the
+    check needs (a process group of one, a gradient_as_bucket_view flag)."""
+    import inspect
+    from unittest import mock
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+    signature = inspect.signature(original)
+    if name not in signature.parameters:
+        raise AssertionError(f"DistributedDataParallel.__init__ takes no {name}: update ddp_conformance.checks.observe")
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments[name] = value
+        original(*bound.args, **bound.kwargs)
+
+    with mock.patch.object(DistributedDataParallel, "__init__", __init__):
+        yield
+
+
+def trains_batchnorm(model: Any) -> bool:
+    """Whether the model normalises in training mode by each micro-batch's own statistics (BatchNorm),
+    so that no run on another batch can recompute its gradients."""
+    import torch
+
+    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    return any(isinstance(m, norms) and m.training for m in unwrapped(model).modules())

@@ -29,7 +29,6 @@ accumulation window) is the same in both runs and is not this comparison's to se
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -39,7 +38,7 @@ import pytest
 from ..adapter import NotProvided
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .gradients import clipping, fit_diagnosis, max_delta
-from .observe import FitRecord, FitRecorder, children, rebuilt, unwrapped
+from .observe import FitRecord, FitRecorder, children, ddp_argument_forced, rebuilt, trains_batchnorm, unwrapped
 from .one_world import world_of_one
 from .progress import guarded_fit
 from .vacuity import skip_as_vacuous
@@ -112,8 +111,6 @@ def _skip_unless_all(problem: str) -> None:
 
 def _first_step_problem(record: FitRecord) -> str:
     """What this rank's DDP run lacks for a rerun on the global batch, or ""."""
-    import torch
-
     first = record.first_step
     if first is None or first.grads is None:
         return "no optimizer step of its fit was seen"
@@ -127,8 +124,7 @@ def _first_step_problem(record: FitRecord) -> str:
     if first.rng_drawn:
         return ("it draws random numbers during the step (random augmentation, dropout other than "
                 "torch.nn.functional's, which is turned off here), which a run on the global batch cannot redraw")
-    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-    if any(isinstance(m, norms) and m.training for m in unwrapped(record.model).modules()):
+    if trains_batchnorm(record.model):
         return "its model has BatchNorm in training mode, which normalises each micro-batch by its own statistics"
     return ""
 
@@ -223,7 +219,7 @@ class _Rerun:
         with contextlib.ExitStack() as stack:
             stack.enter_context(world_of_one())
             stack.enter_context(without_dropout())
-            stack.enter_context(_ddp_in(self.group))
+            stack.enter_context(ddp_argument_forced("process_group", self.group))
             stack.enter_context(fed.patched(self.loader_pass))
             recorder = stack.enter_context(FitRecorder(first_step=True,
                                                        on_first_micro_batch=lambda m: self._set(m, mismatch)))
@@ -307,26 +303,6 @@ def without_dropout() -> Iterator[None]:
             if not hasattr(F, name):
                 raise AssertionError(f"torch.nn.functional.{name} is gone: update ddp_conformance.checks.script_step")
             stack.enter_context(mock.patch.object(F, name, identity))
-        yield
-
-
-@contextlib.contextmanager
-def _ddp_in(group: Any) -> Iterator[None]:
-    """Every DistributedDataParallel built meanwhile uses `group`, whatever the script passes."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    original = DistributedDataParallel.__init__
-    signature = inspect.signature(original)
-    if "process_group" not in signature.parameters:
-        raise AssertionError("DistributedDataParallel.__init__ takes no process_group: update "
-                             "ddp_conformance.checks.script_step")
-
-    def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(ddp, *args, **kwargs)
-        bound.arguments["process_group"] = group
-        original(*bound.args, **bound.kwargs)
-
-    with mock.patch.object(DistributedDataParallel, "__init__", __init__):
         yield
 
 
