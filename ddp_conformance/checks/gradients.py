@@ -125,34 +125,38 @@ def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], 
     gradient of the samples its ranks drew for it, or "" for clipping (fit_step.py, script_step.py);
     `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
     gradients, only when a diagnosis needs them."""
-    head = (f"the trainer's own fit applies other gradients at its first optimizer step than the single-process "
-            f"gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)")
+    drew = f"the single-process gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)"
+
+    def applies(how: str) -> str:  # the evidence, after the cause: a failure's first line names the cause
+        return f"the fit's first optimizer step applies {how} {drew} {where}"
+
     missing = [n for n, g in fit.items() if g is None and whole.get(n) is not None]
     if missing:
-        return f"{head}: parameter {missing[0]} gets no gradient in the fit"
+        return f"parameter {missing[0]} gets no gradient in the fit: {applies('none to it, where it has one in')}"
     ratio, residual = scale_ratio(fit, whole)
     close = closeness(rtol)
     uniform = residual < close
     if uniform and world > 1 and abs(ratio * world - 1) < close:
-        return (f"{head}: exactly 1/{world} of it, the fit's loop divides the loss or the gradients by the "
-                f"world size on top of DDP's own averaging {where}")
+        return (f"the fit's loop divides the loss or the gradients by the world size on top of DDP's own averaging: "
+                f"{applies(f'exactly 1/{world} of')}")
     if uniform and world > 1 and abs(ratio / world - 1) < close:
-        return f"{head}: exactly {world}x it, the fit's loop sums gradients over ranks {where}"
+        return f"the fit's loop sums gradients over ranks: {applies(f'exactly {world}x')}"
     if uniform and micro > 1 and abs(ratio * micro - 1) < close:
-        return (f"{head}: exactly 1/{micro} of it, the loop divides each micro-batch's loss by the "
-                f"accumulation twice {where}")
+        return (f"the loop divides each micro-batch's loss by the accumulation twice: "
+                f"{applies(f'exactly 1/{micro} of')}")
     if uniform and micro > 1 and abs(ratio / micro - 1) < close:
-        return (f"{head}: exactly {micro}x it, the loop adds up its {micro} accumulated micro-batch "
-                f"losses without dividing by the accumulation {where}")
+        return (f"the loop adds up its {micro} accumulated micro-batch losses without dividing by the accumulation: "
+                f"{applies(f'exactly {micro}x')}")
     if clipping(fit, whole, rtol):
         return ""  # clipping by norm or value acts on the averaged gradient: the caller notes it
     if micro > 1 and proportional(fit, last(), close):
-        return (f"{head}: they come from the last micro-batch of the {micro}-batch accumulation window only, "
-                f"the earlier ones are thrown away (zero_grad inside the accumulation window?) {where}")
+        return (f"only the last micro-batch of each {micro}-batch accumulation window counts, the earlier ones are "
+                "thrown away (zero_grad inside the accumulation window?): "
+                + applies("the last micro-batch's gradient alone, not"))
     if world > 1 and proportional(fit, own(), close, exact=True):
-        return (f"{head}: each rank applies the gradient of its own samples, no all-reduce in the fit (the "
-                f"model it trains is not the DDP-wrapped one?) {where}")
-    return f"{head} {where}"
+        return ("each rank applies the gradient of its own samples, no all-reduce in the fit (the model it trains "
+                "is not the DDP-wrapped one?): " + applies("each rank its own samples' gradient, not"))
+    return f"the trainer's own fit applies other gradients at its first optimizer step than {drew} {where}"
 
 
 def proportional(a: dict[str, Any], b: dict[str, Any] | None, close: float, exact: bool = False) -> bool:
