@@ -14,8 +14,8 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
                  up) by a conftest, because the XML rounds each to 1 ms
   growth ms      what one more test adds to a session's wall: the N2 session's clock from the end of
                  its first test to the end of its last, per test (hooks, terminal and JUnit reporting
-                 included). Within one session, so a burst of the VM's steal time cannot make it
-                 negative, as the difference of two sessions' clocks did
+                 included). Within one session: the difference of two sessions' clocks can go
+                 negative under a burst of the VM's steal time
   collect ms     what one more test adds to collection: (collect(N2) - collect(N1)) / (N2 - N1)
   pool ms        the same test sent straight to a warm RankPool (no pytest)
   empty ms       a test with an empty body sent to the same pool: the runner's own cost per test,
@@ -36,7 +36,7 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
   cpu floor ms   plain cpu + all_reduce cpu: the CPU any runner must spend on a trivial test
   ddp cpu/cores  ddp cpu / the machine's cores: no schedule runs a test in less wall time than this
 Ratios: ddp junit / plain junit, ddp junit / all_reduce, ddp junit / pool, ddp growth / floor. The
-last row is the median of the repeats. Target (issue 12): ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores,
+last row is the median of the repeats. Target: ddp junit and ddp growth <= 3 ms at world size 4 on 2 cores,
 which needs ddp cpu <= 6 ms there; of those 3 ms, the floor column takes what no runner can avoid.
 Figures move with load: other processes on a 2-core machine take the ranks' CPU.
 """

@@ -1,4 +1,4 @@
-"""Runner costs, measured side by side in one run (issue 2's targets).
+"""Runner costs, measured side by side in one run, against the runner's targets.
 
     python benchmarks/runner_overhead.py [--sizes 2 4 8] [--warm-tests 60]
 

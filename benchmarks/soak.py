@@ -1,4 +1,4 @@
-"""Soak: many warm tests in one pool must keep every rank's memory flat (issue 5).
+"""Soak: many warm tests in one pool must keep every rank's memory flat.
 
     python benchmarks/soak.py [--tests 500] [--world-size 4]
 

@@ -1,4 +1,4 @@
-"""What the conformance suite costs (issue 4's budget), measured on the real command.
+"""What the conformance suite costs against its budget, measured on the real command.
 
     python benchmarks/suite_cost.py [--world-size 4] [--trainer torch --trainer lightning]
 
