@@ -1,0 +1,87 @@
+"""The docs stay what they claim: a short README, links and paths that resolve, and a mutant catalogue
+that names exactly the fixtures there are."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README_LIMIT_BYTES = 15 * 1024
+DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "RESULTS.md",
+               *(ROOT / "docs").glob("*.md")])
+MUTANTS = ROOT / "fixtures" / "mutants"
+CATALOGUE_HEADING = "## Proof that the checks can fail: the mutant catalogue"
+# repository paths a doc names in backticks, checked to exist (a folder ends with "/")
+REPO_PATH = re.compile(r"`((?:\.ci|benchmarks|ddp_conformance|docs|examples|fixtures|tests)/[\w./-]*)`")
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _name(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
+
+
+def _anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_the_readme_is_at_most_15_kb():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes, over {README_LIMIT_BYTES}: move prose to docs/"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_name)
+def test_every_relative_link_resolves(doc: Path):
+    broken = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"^[a-z]+:", target):
+            continue  # a URL: not checked offline
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading with anchor #{anchor}")
+    assert not broken, f"{_name(doc)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_name)
+def test_every_repository_path_named_exists(doc: Path):
+    named = {path for path in REPO_PATH.findall(doc.read_text()) if not re.search(r"[*{<]", path)}
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"{_name(doc)} names paths that do not exist: {missing}"
+
+
+def _catalogue() -> str:
+    text = (ROOT / "docs" / "checks.md").read_text()
+    assert CATALOGUE_HEADING in text, f"docs/checks.md has no section {CATALOGUE_HEADING!r}"
+    return text.split(CATALOGUE_HEADING, 1)[1].split("\n## ", 1)[0]
+
+
+def _outside_parentheses(cell: str) -> str:
+    """A catalogue cell's fixture names, without the description in parentheses that follows each."""
+    while (stripped := re.sub(r"\([^()]*\)", "", cell)) != cell:
+        cell = stripped
+    return cell
+
+
+def test_the_mutant_catalogue_names_every_fixture_and_only_those():
+    rows = [line.split("|")[1] for line in _catalogue().splitlines()
+            if line.startswith("| ") and not line.startswith("| mutant |")]
+    named = {name for cell in rows for name in re.findall(r"`(\w+)`", _outside_parentheses(cell))}
+    fixtures = {path.stem for path in MUTANTS.glob("*.py")}
+    assert named - fixtures == set(), f"docs/checks.md names fixtures that do not exist: {sorted(named - fixtures)}"
+    assert fixtures - named == set(), f"fixtures missing from docs/checks.md's catalogue: {sorted(fixtures - named)}"
+
+
+def test_every_fixture_the_checks_page_cites_exists():
+    text = (ROOT / "docs" / "checks.md").read_text()
+    cited = {name for phrase in re.findall(r"fixtures? ((?:`\w+`(?:, | and |, and )?)+)", text)
+             for name in re.findall(r"`(\w+)`", phrase)}
+    known = {path.stem for path in (ROOT / "fixtures").glob("*/*.py")}
+    assert cited, "docs/checks.md cites no fixture by name"
+    assert cited <= known, f"docs/checks.md cites fixtures that do not exist: {sorted(cited - known)}"
