@@ -92,7 +92,7 @@ import time
 
 import torch  # imported before the session's clock starts, as by any distributed test module
 
-from ddp_conformance.runner.process import cpu_seconds
+from ddp_conformance.runner.parent.process import cpu_seconds
 
 DURATIONS = {}
 CLOCK = {}
@@ -197,11 +197,10 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
     """Seconds on a warm pool: the trivial test's median ("pool"), an empty test's ("empty"), one
     all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
     a floor under any per-test wall time)."""
-    from ddp_conformance.runner.context import DdpPlan
-    from ddp_conformance.runner.process import cpu_seconds
-    from ddp_conformance.runner.protocol import Task
-    from ddp_conformance.runner.supervisor import RankPool
-    from ddp_conformance.runner.zygote import Zygote
+    from ddp_conformance.runner.parent.process import cpu_seconds
+    from ddp_conformance.runner.parent.supervisor import RankPool
+    from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.wire import DdpPlan, Task
 
     module = directory / "pool_module.py"
     module.write_text(POOL_SOURCE)
@@ -251,7 +250,7 @@ def bare_round_trip(directory: Path, world_size: int, iterations: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from ddp_conformance.runner.supervisor import loopback_interface
+    from ddp_conformance.runner.parent.supervisor import loopback_interface
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface() or "lo"  # as the pools choose it
     store = str(directory / f"bare-store-{time.monotonic_ns()}")  # a FileStore file serves one group

@@ -31,10 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_conformance.runner.context import DdpPlan
-from ddp_conformance.runner.protocol import Task
-from ddp_conformance.runner.supervisor import RankPool
-from ddp_conformance.runner.zygote import Zygote
+from ddp_conformance.runner.parent.supervisor import RankPool
+from ddp_conformance.runner.parent.zygote import Zygote
+from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """
 import torch

@@ -17,9 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddp_conformance.runner.context import DdpPlan
-from ddp_conformance.runner.protocol import Task
-from ddp_conformance.runner.supervisor import RankPool
+from ddp_conformance.runner.parent.supervisor import RankPool
+from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """
 import torch

@@ -1,5 +1,7 @@
 """The `ddp` marker, parsed and validated once per test into one `DdpTest` that every consumer reads.
 
+`DdpTest` is the runner's input type (`runner.controller`); this module builds it from the marker.
+
 `@pytest.mark.ddp(world_size=None, timeout=None, preload=())`: world_size an int >= 1 or a list of
 them (one test id each, through the `ddp` fixture's indirect parametrization), timeout a number of
 seconds, preload module names the ranks import before the test can start (see `DdpTest.preload`).
@@ -9,31 +11,18 @@ as pytest reports its own markers' misuse (`fail(..., pytrace=False)`), never a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import pytest
 
 from .options import settings_of
+from .runner.controller import DdpTest
 
 MARKER_HELP = (
     "ddp(world_size=None, timeout=None, preload=()): run the test body on every rank of an initialised "
     "process group; world_size an int or a list of ints (one test id each), default --ddp-world-size; "
     "preload: modules imported once before the ranks start (e.g. torch._dynamo)."
 )
-
-
-@dataclass(frozen=True)
-class DdpTest:
-    """What the `ddp` marker of one test asks for."""
-
-    world_size: int  # the ranks it runs on: its own size (or parametrized one), else --ddp-world-size
-    requested_size: int | None  # the size it named itself; None when it takes the session's
-    timeout: float  # its own limit in seconds, else --ddp-timeout
-    # modules imported once, in the fork server, before it forks the session's first ranks: a module
-    # every rank imports itself costs its CPU once per rank (torch._dynamo: ~2.4 s, at a rank's first
-    # optimizer or DDP), and the ranks of a 2-core machine import it side by side
-    preload: tuple[str, ...] = ()
 
 
 _KEY = pytest.StashKey["DdpTest | None"]()

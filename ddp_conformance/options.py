@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from .config import ConfigError, load_config
+from .runner.controller import RunnerSettings
+
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_TIMEOUT = 120.0
@@ -32,6 +35,12 @@ class Settings:
     config_path: str | None = None
     report_path: str | None = None
     spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
+
+    @property
+    def runner(self) -> RunnerSettings:
+        """The options the runner acts on, as its own input type (the runner imports nothing above it)."""
+        return RunnerSettings(backend=self.backend, timeout=self.timeout, start_timeout=self.start_timeout,
+                              rank_threads=self.rank_threads)
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -209,7 +218,7 @@ def unwritable_reason(path: Path) -> str | None:
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
     """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
     any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
-    from .trainers.spec import SpecError, message_prefix, resolve_spec
+    from .trainers.spec import SpecError, message_prefix, resolve_spec  # deferred: brings torch
 
     for spec in settings.trainers:
         try:
@@ -218,8 +227,6 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> N
             reason = str(exc).removeprefix(message_prefix(spec))
             raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {spec!r}: {reason}") from None
     if settings.config_path is not None:
-        from .config import ConfigError, load_config
-
         try:
             load_config(settings.config_path)
         except ConfigError as exc:

@@ -1,9 +1,9 @@
 """The pytest face of ddp-conformance: options, the `ddp` marker and fixture, and report hooks.
 
-Wiring only: `pytest_configure` picks one controller for the session (`runner.spawned.PoolController`,
-or `runner.launched.LauncherController` when torchrun/srun started pytest once per rank) and every
-hook hands a marked test to it. The marker is parsed once per test (`marker.ddp_test`). Loading this
-module imports neither torch nor lightning.
+Wiring only: `pytest_configure` picks one controller for the session
+(`runner.parent.pool_controller.PoolController`, or `runner.launched.LauncherController` when
+torchrun/srun started pytest once per rank) and every hook hands a marked test to it. The marker is
+parsed once per test (`marker.ddp_test`). Loading this module imports neither torch nor lightning.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from . import marker, options
 from .runner import launched
 from .runner.controller import Controller
+from .runner.parent.pool_controller import PoolController
 
 pytest_plugins = ["ddp_conformance.report", "ddp_conformance.builds"]
 
@@ -43,11 +44,9 @@ def pytest_configure(config: pytest.Config) -> None:
         options.validate_report_path(config, settings)
     config.stash[options.SETTINGS_KEY] = settings
     if by_launcher:
-        controller: Controller = launched.LauncherController(settings)
+        controller: Controller = launched.LauncherController(settings.runner)
     else:
-        from .runner.spawned import PoolController
-
-        controller = PoolController(settings)
+        controller = PoolController(settings.runner)
     config.stash[CONTROLLER_KEY] = controller
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
         options.validate_trainers_and_config(config, settings)

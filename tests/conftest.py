@@ -2,7 +2,7 @@
 set, ranks share one str hash secret, as torchrun's ranks would, so a session starts one fork server
 instead of two, one `import torch` less in each of the default run's many sessions. The tests that
 need each rank's own secret, the hash mutants' nested session (tests/checks/test_suite.py) and
-tests/runner/test_rank_rng.py, remove it."""
+tests/runner/rank/test_seeds.py, remove it."""
 
 import os
 

@@ -11,11 +11,11 @@ The private APIs, and the test that fails when one changes:
   `DistributedDataParallel._get_ddp_logging_data`, `Tensor._base`/`_is_view`: here, and
   tests/checks/test_verdicts.py (`_base`/`_is_view` meaning), tests/trainers/test_references.py (the
   logging data's keys);
-- pytest: `_pytest.assertion.pytest_runtest_protocol` (tests/runner/test_assert_explanations.py),
-  WarningsRecorder's `_ispytest` (tests/runner/test_builtin_fixtures.py), `TerminalReporter._tw`
+- pytest: `_pytest.assertion.pytest_runtest_protocol` (tests/runner/rank/test_assertion_explanations.py),
+  WarningsRecorder's `_ispytest` (tests/runner/rank/test_builtin_fixtures.py), `TerminalReporter._tw`
   (tests/runner/test_launchers.py: one report under torchrun), `_pytest._code`, `_pytest._io`,
   `rewrite_asserts` and `Item._fixtureinfo` (imported or read unguarded: every ddp test);
-- CPython: `os.environ._data` (tests/runner/test_builtin_fixtures.py::test_environ_fast_path).
+- CPython: `os.environ._data` (tests/runner/rank/test_builtin_fixtures.py::test_environ_fast_path).
 Lightning: none.
 """
 

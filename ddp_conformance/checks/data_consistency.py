@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from ..adapter import NotProvided
-from ..runner.seeds import fresh_seeds
+from ..runner.rank.seeds import fresh_seeds
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import through_subsets
 from .progress import guarded_fit

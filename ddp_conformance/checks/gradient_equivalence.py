@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from ..adapter import NotProvided
-from ..runner.verdict import ranks_label
+from ..runner.parent.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .fit_step import judge_fit_step
 from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter

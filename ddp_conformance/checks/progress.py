@@ -39,8 +39,8 @@ from typing import Any, Literal
 import pytest
 
 from ..adapter import FitObserver, StepInfo
-from ..runner.process import cpu_seconds
-from ..runner.verdict import ranks_label
+from ..runner.parent.process import cpu_seconds
+from ..runner.parent.verdict import ranks_label
 from .base import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 

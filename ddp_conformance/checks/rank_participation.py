@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from ..adapter import TrainState
-from ..runner.verdict import ranks_label
+from ..runner.parent.verdict import ranks_label
 from .base import CheckContext, all_gather, fmt, hide_on_verdict
 from .progress import guarded_fit
 from .states import OUTSIDE, digest, drifted, parameters, trained

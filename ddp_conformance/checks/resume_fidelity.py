@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from ..adapter import FitObserver, StepInfo, TrainState
-from ..runner.verdict import ranks_label
+from ..runner.parent.verdict import ranks_label
 from .base import CheckContext, all_gather, hide_on_verdict
 from .observe import unwrapped
 from .progress import guarded_fit, probe_epoch_steps

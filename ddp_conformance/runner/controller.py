@@ -1,20 +1,45 @@
-"""The one interface between the pytest hooks and a mode of running distributed tests.
+"""The one interface between the pytest hooks and a mode of running distributed tests, and its inputs.
 
 `plugin.pytest_configure` picks one controller per pytest process, as pytest-xdist picks its
-`DSession` only when distributing: `spawned.PoolController` (the plugin starts warm rank pools) or
-`launched.LauncherController` (torchrun or srun started pytest itself once per rank). The hooks hand
-every marked test to it and decide nothing themselves.
+`DSession` only when distributing: `parent.pool_controller.PoolController` (the plugin starts warm
+rank pools) or `launched.LauncherController` (torchrun or srun started pytest itself once per rank).
+The hooks hand every marked test to it and decide nothing themselves.
+
+The controller's inputs are defined here, in the runner, so that the runner imports nothing above
+it: the plugin face builds a `DdpTest` from each test's marker (`marker.ddp_test`) and one
+`RunnerSettings` from the session's options (`options.Settings.runner`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import pytest
 
-if TYPE_CHECKING:
-    from ..marker import DdpTest
+
+@dataclass(frozen=True)
+class DdpTest:
+    """What the `ddp` marker of one test asks for."""
+
+    world_size: int  # the ranks it runs on: its own size (or parametrized one), else --ddp-world-size
+    requested_size: int | None  # the size it named itself; None when it takes the session's
+    timeout: float  # its own limit in seconds, else --ddp-timeout
+    # modules imported once, in the fork server, before it forks the session's first ranks: a module
+    # every rank imports itself costs its CPU once per rank (torch._dynamo: ~2.4 s, at a rank's first
+    # optimizer or DDP), and the ranks of a 2-core machine import it side by side
+    preload: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The session's options the runner acts on (validated by the plugin face)."""
+
+    backend: str  # auto, gloo or nccl
+    timeout: float  # a distributed test's default limit in seconds
+    start_timeout: float  # the limit for a pool's ranks to start and meet
+    rank_threads: int | None  # intra-op threads per rank; None: the inherited OMP_NUM_THREADS
 
 
 class Controller(Protocol):

@@ -5,29 +5,31 @@ anywhere, naming the rank. Only rank 0 prints.
 
 The agreement travels through the store, not a collective: a test that broke or hung the group
 must still be reported.
+
+This controller sits beside `parent/` and `rank/` rather than in either: there is no parent here,
+because this pytest process is itself a rank. So it uses the rank side's fixture value (`DdpContext`,
+on `rank_device`) and runs the test body in pytest, as pytest calls it, instead of through a `Task`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
+from _pytest._io import TerminalWriter
 
-from .context import DdpContext
-from .controller import skip_at_item
-from .protocol import FAILED
-from .verdict import ranks_label
-
-if TYPE_CHECKING:
-    from ..marker import DdpTest
-    from ..options import Settings
+from .controller import DdpTest, RunnerSettings, skip_at_item
+from .parent.verdict import ranks_label
+from .rank.ddp_context import DdpContext, rank_device
+from .wire import FAILED
 
 AGREE_KEY = "ddp-conformance/outcome"
 AGREED_KEY = pytest.StashKey[bool]()
@@ -57,10 +59,10 @@ class LaunchedRank:
 
 
 class LauncherController:
-    """The controller of launcher mode (the counterpart of `spawned.PoolController`): this pytest
+    """The controller of launcher mode (the counterpart of `parent.pool_controller.PoolController`): this pytest
     process is one rank, and a marked test runs right here, inside the launcher's group."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: RunnerSettings) -> None:
         self.me = LaunchedRank.from_env()
         self.requested_backend = settings.backend
         self.timeout = settings.timeout
@@ -111,14 +113,12 @@ class LauncherController:
         return None
 
     def context(self) -> DdpContext:
-        from .backend import rank_device
-
         backend = self.ensure_group()
         return DdpContext(rank=self.me.rank, local_rank=self.me.local_rank, world_size=self.me.world_size,
                           backend=backend, device_name=rank_device(backend, self.me.local_rank))
 
     def ensure_group(self) -> str:
-        import torch
+        import torch  # deferred: torch is heavy to import, and pytest loads this plugin in every session
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -136,7 +136,7 @@ class LauncherController:
         """Publish this rank's outcome of a test and read everyone's; a rank that does not publish
         within the timeout is reported as silent (hung or dead). Keys name the test (and how often it
         ran), so ranks whose setups went differently still compare the same test."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch is heavy to import
 
         store = dist.distributed_c10d._get_default_store()
         occurrence = self._seen[nodeid] = self._seen.get(nodeid, 0) + 1
@@ -159,20 +159,16 @@ class LauncherController:
         """No supervisor here to kill a hung test: past its limit, print every thread's stack and end
         this rank (the launcher then ends the others), rather than hold the CI job. The stacks go to
         the terminal pytest had before it started capturing: a captured stream dies with the rank."""
-        import faulthandler
-
         faulthandler.dump_traceback_later(timeout, exit=True, file=_terminal())
 
     @staticmethod
     def disarm_watchdog() -> None:
-        import faulthandler
-
         faulthandler.cancel_dump_traceback_later()
 
     def finish(self) -> None:
         """Rank 0 says it is done; the others wait for that before exiting, so the launcher (which
         tears every rank down when one exits non-zero) never cuts rank 0's report short."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch is heavy to import
 
         if not dist.is_initialized():
             return
@@ -242,8 +238,6 @@ def quiet_non_zero_rank_output(config: pytest.Config) -> None:
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        from _pytest._io import TerminalWriter
-
         reporter._tw = TerminalWriter(file=open(os.devnull, "w"))  # noqa: SIM115 - lives as long as pytest
 
 

@@ -15,7 +15,7 @@ from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_sec
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import settings_of
 from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
-from ddp_conformance.runner.protocol import WARMUP
+from ddp_conformance.runner.wire import WARMUP
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..adapter import FitObserver, NotProvided, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import RunConfig
 from ..resumable import capture_rng_state, restore_rng_state
-from ..runner import fault_handlers
+from ..runner.rank import fault_handlers
 from .spec import LightningParts
 from .torch_ref import cpu_copy, seeded
 

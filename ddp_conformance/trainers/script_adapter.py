@@ -71,7 +71,7 @@ from typing import Any
 from unittest import mock
 
 from ..adapter import NotProvided, TrainerAdapter
-from ..runner.seeds import fresh_seeds
+from ..runner.rank.seeds import fresh_seeds
 
 SCRIPT_PREFIX = "script:"
 FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at")

@@ -34,8 +34,8 @@ def leftovers(tmpdir: Path) -> list[str]:
     return sorted(entry.name.rsplit("-", 1)[0] for entry in tmpdir.iterdir())
 
 NEVER_SPAWN = """
-import ddp_conformance.runner.supervisor as supervisor
-import ddp_conformance.runner.zygote as zygote
+import ddp_conformance.runner.parent.supervisor as supervisor
+import ddp_conformance.runner.parent.zygote as zygote
 
 def _refuse(self, *args, **kwargs):
     raise AssertionError("a process was spawned although the test had to be skipped in the parent")
@@ -147,8 +147,8 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
 @pytest.mark.slow
 def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forks that wait (on a zygote still importing torch) do not eat into the ranks' time to meet."""
-    from ddp_conformance.runner.supervisor import RankPool
-    from ddp_conformance.runner.zygote import Zygote
+    from ddp_conformance.runner.parent.supervisor import RankPool
+    from ddp_conformance.runner.parent.zygote import Zygote
 
     zygote = Zygote(start_timeout=300)
     fork = zygote.fork
@@ -202,11 +202,10 @@ def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop
     learns that its ranks ended from their pidfds, not from the zygote busy importing."""
     import pickle
 
-    from ddp_conformance.runner.context import DdpPlan
-    from ddp_conformance.runner.process import cpu_seconds
-    from ddp_conformance.runner.protocol import WARMUP, Task
-    from ddp_conformance.runner.supervisor import RankPool
-    from ddp_conformance.runner.zygote import Zygote
+    from ddp_conformance.runner.parent.process import cpu_seconds
+    from ddp_conformance.runner.parent.supervisor import RankPool
+    from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.wire import WARMUP, DdpPlan, Task
 
     if not os.path.exists(f"/proc/{os.getpid()}/stat"):
         pytest.skip("needs Linux /proc to read the zygote's CPU time")

@@ -258,7 +258,7 @@ def test_warnings_of_the_harness_stay_out_of_the_ranks_output(pytester: pytest.P
         """
         import warnings
         import pytest
-        import ddp_conformance.runner.verdict as harness
+        import ddp_conformance.runner.parent.verdict as harness
 
         @pytest.mark.ddp(world_size=2)
         def test_warns(ddp):

@@ -304,7 +304,7 @@ def test_lightning_leaves_the_ranks_stack_dump_and_crash_handlers_armed(ddp, tmp
     segfault lost its traceback; the adapter installs them again after every fit."""
     import signal
 
-    from ddp_conformance.runner.process import catches_signal
+    from ddp_conformance.runner.parent.process import catches_signal
 
     ctx = RankContext.from_fixture(ddp, tmp_path)
     make(trainer("lightning"), run_config(ctx), ctx).fit(2)

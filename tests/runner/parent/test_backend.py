@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddp_conformance.runner.backend import Hardware, choose_backend, rank_device, worker_gpu_share, xdist_worker
+from ddp_conformance.runner.parent.backend import Hardware, choose_backend, worker_gpu_share, xdist_worker
+from ddp_conformance.runner.rank.ddp_context import rank_device
 
 GPUS4 = Hardware(cuda_devices=("0", "1", "2", "3"), nccl_available=True)
 NO_GPU = Hardware(cuda_devices=(), nccl_available=None)

@@ -37,7 +37,7 @@ def probe_hardware() -> Hardware:
     answer is known without importing torch (2-3 s on a small CI runner), so the parent skips it."""
     if sys.platform.startswith("linux") and not _gpu_device_nodes():
         return Hardware(cuda_devices=(), nccl_available=None)
-    import torch
+    import torch  # deferred: 2-3 s, paid only when a distributed test is about to run
     import torch.distributed as dist
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -59,12 +59,6 @@ def choose_backend(requested: str, world_size: int, hw: Hardware) -> Placement:
     if not hw.nccl_available:
         return Placement("nccl", skip_reason="nccl is not available in this torch build")
     return Placement("nccl")
-
-
-def rank_device(backend: str, local_rank: int) -> str:
-    """The device a rank works on: its own GPU under nccl (CUDA_VISIBLE_DEVICES already narrowed to the
-    pool's share), the CPU under gloo."""
-    return f"cuda:{local_rank}" if backend == "nccl" else "cpu"
 
 
 def _split_visible(value: str) -> list[str]:

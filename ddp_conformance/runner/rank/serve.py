@@ -1,6 +1,7 @@
-"""The worker side: a rank process that joins the group once and then runs test after test.
+"""A rank process's main (pytest-xdist's `remote.py`): join the group once, then serve test after test.
 
-A rank is either exec'd (`python -m ddp_conformance.runner.rank`) or forked by the zygote, which has torch
+A rank is either exec'd (`python -m ddp_conformance.runner.rank.serve`) or forked by the fork server
+(`fork_server`), which has torch
 imported already; both end up in `serve()`, configured entirely by the environment the pool set.
 Everything that can make a rank outlive pytest is settled first: the parent-death signal, and a check
 that the parent did not die before it was set.
@@ -16,8 +17,8 @@ import sys
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from ..wire import Hello, Ready, Stop, receive, send
 from . import fault_handlers
-from .protocol import Hello, Ready, Stop, receive, send
 
 PR_SET_PDEATHSIG = 1
 
@@ -44,7 +45,7 @@ def connect(address: str) -> Connection:
 
 
 def join_group() -> None:
-    import torch
+    import torch  # deferred: torch is heavy to import, and a rank says hello before it pays for it
     import torch.distributed as dist
 
     backend = os.environ["DDP_CONFORMANCE_BACKEND"]
@@ -66,12 +67,12 @@ def serve() -> int:
     channel = connect(os.environ["DDP_CONFORMANCE_SOCKET"])
     send(channel, Hello(rank=int(os.environ["RANK"]), pid=os.getpid()))
     join_group()
+    # deferred: the task runner brings pytest; a rank that exec'd says hello and joins first
     from .seeds import fresh_seeds
+    from .task_runner import leave_group, quiet_harness_warnings, run_task
 
     fresh_seeds()  # forked ranks share the zygote's RNG state: each starts from its own, as under torchrun
-    from . import runtime
-
-    runtime.quiet_harness_warnings()
+    quiet_harness_warnings()
     send(channel, Ready(pid=os.getpid()))
     while True:
         try:
@@ -79,9 +80,9 @@ def serve() -> int:
         except (EOFError, OSError):
             return 0  # the pool closed the channel: nothing more to do
         if isinstance(message, Stop):
-            runtime.leave_group()
+            leave_group()
             return 0
-        send(channel, runtime.run_task(message))
+        send(channel, run_task(message))
         fault_handlers.rearm()  # whatever the test did to them; after the reply, off the test's clock
 
 

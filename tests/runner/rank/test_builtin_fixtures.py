@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.runner.builtin_fixtures import RankCapture, warnings_recorder
+from ddp_conformance.runner.rank.builtin_fixtures import RankCapture, warnings_recorder
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
@@ -274,7 +274,7 @@ def test_builtin_fixtures_private_api() -> None:
 def test_environ_fast_path() -> None:
     """The ranks compare `os.environ`'s own bytes dict after each test; if CPython drops it, this fails
     (the slow path still restores the environment, at 0.3 ms a test)."""
-    from ddp_conformance.runner.runtime import PoolEnviron, _raw_environ
+    from ddp_conformance.runner.rank.task_runner import PoolEnviron, _raw_environ
 
     assert _raw_environ() is not None
     saved = PoolEnviron()

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from ..wire import Hello, Ready, receive
 from .process import RankProcess
-from .protocol import Hello, Ready, receive
 
 
 class StartTimeout(Exception):

@@ -1,12 +1,9 @@
-"""Pure decisions of the runner, tested without processes."""
+"""The verdict's pure decisions (parent/verdict.py), tested without processes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ddp_conformance.runner.protocol import FAILED, PASSED, PoolRun, RankEnd, RankReply
-from ddp_conformance.runner.supervisor import RankPool
-from ddp_conformance.runner.verdict import diagnose_hang, judge
+from ddp_conformance.runner.parent.verdict import diagnose_hang, judge
+from ddp_conformance.runner.wire import FAILED, PoolRun, RankEnd, RankReply
 
 STACK_BARRIER = '''Current thread 0x01 (most recent call first):
   File "/usr/lib/site-packages/torch/distributed/distributed_c10d.py", line 5356 in barrier
@@ -18,13 +15,6 @@ STACK_LOOP = '''Current thread 0x02 (most recent call first):
   File "/repo/test_x.py", line 7 in spin_forever
   File "/repo/test_x.py", line 20 in test_hang
 '''
-
-
-def test_group_timeout_never_undercuts_the_longest_test() -> None:
-    pool = RankPool(2, "gloo", start_timeout=60, rank_threads=1, group_timeout=600)
-    assert pool._environment(0, Path("/tmp/store"))["DDP_CONFORMANCE_PG_TIMEOUT"] == "600"
-    short = RankPool(2, "gloo", start_timeout=60, rank_threads=1, group_timeout=5)
-    assert short._environment(0, Path("/tmp/store"))["DDP_CONFORMANCE_PG_TIMEOUT"] == "60"
 
 
 def test_hang_diagnosis() -> None:
@@ -48,20 +38,10 @@ def test_the_earliest_failure_heads_the_verdict_and_the_dead_come_first() -> Non
     assert judge(run, 2).headline.startswith("2 of 2 ranks failed: rank 1 died (exit code 7); rank 0 failed")
 
 
-def test_a_pool_out_of_step_is_poisoned() -> None:
-    run = PoolRun()
-    run.replies = {0: RankReply(0, PASSED, sequence=4), 1: RankReply(1, PASSED, sequence=5)}
-    assert run.poisoned
-    run.replies[1].sequence = 4
-    assert not run.poisoned
-    run.replies[1].group_healthy = False
-    assert run.poisoned
-
-
 def test_an_error_signature_ignores_what_differs_between_ranks() -> None:
     import tempfile
 
-    from ddp_conformance.runner.verdict import cap_output, error_signature
+    from ddp_conformance.runner.parent.verdict import cap_output, error_signature
 
     tmp = tempfile.gettempdir()
     one = f"rank 0 (pid 4121): <Obj at 0x7f3a2c> value 0.1234 in {tmp}/shard0-abc12/x.pt, line 12"
@@ -83,34 +63,3 @@ def test_ranks_with_the_same_error_merge_under_one_representative() -> None:
     assert "_ ranks 0, 1 _" in body and "rank 1's" not in body and "_ rank 2 _" in body
     assert "(rank 0's shown; rank 1 differs only in numbers, addresses or temp paths)" in body
     assert "rank=0" in body and "rank=1" not in body
-
-
-def test_a_huge_rank_log_is_read_by_its_head_and_tail(tmp_path: Path) -> None:
-    from ddp_conformance.runner.process import OUTPUT_KEEP_BYTES, OUTPUT_READ_BYTES, RankProcess
-
-    log = tmp_path / "rank0.log"
-    log.write_bytes(b"old\n" + b"h" * OUTPUT_KEEP_BYTES + b"x" * OUTPUT_READ_BYTES + b"t" * OUTPUT_KEEP_BYTES)
-    proc = RankProcess(0, None, log, tmp_path / "stack", None)  # type: ignore[arg-type]
-    text = proc.output_since(4)
-    assert text == "h" * OUTPUT_KEEP_BYTES + f"\n... {OUTPUT_READ_BYTES} bytes cut ...\n" + "t" * OUTPUT_KEEP_BYTES
-    assert proc.output_since(log.stat().st_size - 3) == "ttt"
-
-
-def test_local_module_index_sees_new_modules_and_is_kept_otherwise(tmp_path: Path) -> None:
-    """The per-test scan of sys.modules is cached; an import or a removal must still be seen."""
-    import sys
-    import types
-
-    from ddp_conformance.runner.spawned import _LocalModuleIndex
-
-    index = _LocalModuleIndex()
-    first = index(tmp_path)
-    assert index(tmp_path) is first  # nothing changed: the same answer, no rescan
-    module = types.ModuleType("ddp_probe_helpers")
-    module.__file__ = str(tmp_path / "ddp_probe_helpers.py")
-    sys.modules["ddp_probe_helpers"] = module
-    try:
-        assert index(tmp_path)["ddp_probe_helpers"] == (module.__file__, False)
-    finally:
-        del sys.modules["ddp_probe_helpers"]
-    assert "ddp_probe_helpers" not in index(tmp_path)

@@ -10,7 +10,7 @@ install its own hook caller around each test, exactly as it does for a plain tes
 
 One private entry point remains: `_pytest.assertion.pytest_runtest_protocol`, driven with a stand-in
 item (config, ihook, path). If it changes, `ExplanationsUnavailable` says so in every failing rank's
-report, and `tests/runner/test_assert_explanations.py` fails loudly.
+report, and `tests/runner/rank/test_assertion_explanations.py` fails loudly.
 """
 
 from __future__ import annotations
@@ -23,80 +23,15 @@ import pickle
 import sys
 import types
 import warnings
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest import assertion
 
-from .protocol import ConfigRecipe
-
-CONFTEST = "conftest.py"
-# the rank never runs a session, and capture must stay off so that building the Config cannot swap
-# the rank's stdout/stderr
-_RANK_ARGS = ("--capture=no", "-p", "no:cacheprovider")
-
-
-_recipe_key = pytest.StashKey[ConfigRecipe]()
-_conftests_key = pytest.StashKey[dict[Path, tuple[str, ...]]]()
-
-
-def recipe_of(config: pytest.Config) -> ConfigRecipe:
-    """The parent's Config as a picklable recipe, made once per session."""
-    if _recipe_key not in config.stash:
-        config.stash[_recipe_key] = _make_recipe(config)
-    return config.stash[_recipe_key]
-
-
-def _make_recipe(config: pytest.Config) -> ConfigRecipe:
-    """The parent's option values (those that pickle; the rest keep their defaults in the rank) and
-    only the arguments pytest itself must parse again: never the parent's command line, whose
-    options belong to whatever plugins the parent loaded (`--lf` to the cache provider the rank
-    leaves out, `-n` to xdist, `--html` to pytest-html, a conftest's own) and would be
-    "unrecognized arguments" to a rank that lacks one; their values arrive in `options`."""
-    picklable = {}
-    for name, value in vars(config.option).items():
-        with contextlib.suppress(Exception):
-            pickle.dumps(value)
-            picklable[name] = value
-    picklable["capture"] = "no"
-    return ConfigRecipe(
-        args=_rank_args(config),
-        options=pickle.dumps(picklable),
-        invocation_dir=str(config.invocation_params.dir),
-    )
-
-
-def _rank_args(config: pytest.Config) -> tuple[str, ...]:
-    """pytest's own arguments that decide what the rank's Config loads: the parent's rootdir and
-    ini file (pinned: found again from the test paths they could differ), the `-p` plugins it
-    loaded or blocked (a block must be known before plugins autoload), and its test paths (the
-    initial conftests). Every other value comes from the option values, which parsing leaves be."""
-    args = [f"--rootdir={config.rootpath}"]
-    if config.inipath is not None:
-        args.append(f"--config-file={config.inipath}")
-    for plugin in config.option.plugins or ():
-        args += ["-p", str(plugin)]
-    return (*args, *_RANK_ARGS, "--", *(str(arg) for arg in config.option.file_or_dir or ()))
-
-
-def conftests_of(config: pytest.Config, path: Path) -> tuple[str, ...]:
-    """The conftest files the parent loaded that apply to `path` (those in its directory or above),
-    found once per directory: tests run after collection has loaded every conftest."""
-    by_dir = config.stash.setdefault(_conftests_key, {})
-    if path.parent not in by_dir:
-        files = _conftest_files(config.pluginmanager.get_plugins())
-        by_dir[path.parent] = tuple(file for file in files if _applies(file, path))
-    return by_dir[path.parent]
-
-
-def _conftest_files(plugins: Iterable[object]) -> list[str]:
-    files = (getattr(plugin, "__file__", None) for plugin in plugins)
-    return [file for file in files if file and os.path.basename(file) == CONFTEST]
-
-
-def _applies(conftest: str, path: Path) -> bool:
-    return Path(conftest).parent in path.parents
+from ..wire import CONFTEST, ConfigRecipe, conftest_applies, conftest_files
+from .module_importer import load_module
 
 
 class ExplanationsUnavailable(RuntimeError):
@@ -153,7 +88,7 @@ class RankAssertions:
 
     def _item(self, config: pytest.Config, path: Path, conftests: dict[str, str]) -> Any:
         pm = config.pluginmanager
-        known = set(_conftest_files(pm.get_plugins()))
+        known = set(conftest_files(pm.get_plugins()))
         for file, name in conftests.items():
             if file not in known:
                 pm.register(_import_conftest(file, name), name=file)
@@ -164,7 +99,7 @@ class RankAssertions:
 
 def _is_conftest_elsewhere(plugin: object, path: Path) -> bool:
     file = getattr(plugin, "__file__", None)
-    return bool(file) and os.path.basename(file) == CONFTEST and not _applies(file, path)
+    return bool(file) and os.path.basename(file) == CONFTEST and not conftest_applies(file, path)
 
 
 def _build_config(recipe: ConfigRecipe) -> pytest.Config:
@@ -187,7 +122,8 @@ def _terminal_reporter() -> type:
     """`pytest.TerminalReporter` (public since pytest 8.1); pytest 8.0 has it only in `_pytest.terminal`."""
     if hasattr(pytest, "TerminalReporter"):
         return pytest.TerminalReporter
-    from _pytest.terminal import TerminalReporter
+    from _pytest.terminal import TerminalReporter  # only pytest 8.0 lacks the public name
+
 
     return TerminalReporter
 
@@ -203,16 +139,12 @@ def _import_conftest(file: str, name: str) -> types.ModuleType:
         module = importlib.import_module(name)
         if getattr(module, "__file__", None) == file:
             return module  # else that name is another conftest's (pytest's prepend mode reuses "conftest")
-    from .runtime import load_module
-
     return load_module(file, f"ddp_conftest_{abs(hash(file)):x}")
 
 
 def _install(item: Any) -> Generator[None, object, object]:
     """Run pytest's assertion plugin's `pytest_runtest_protocol` wrapper up to its yield: it sets
     the rewritten asserts' explanation hook for `item` and restores it when resumed."""
-    from _pytest import assertion
-
     protocol = assertion.pytest_runtest_protocol(item)
     if not isinstance(protocol, types.GeneratorType):
         raise ExplanationsUnavailable(

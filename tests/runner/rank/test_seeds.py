@@ -60,7 +60,7 @@ def test_fresh_seeds_draws_new_entropy_for_every_generator() -> None:
     import numpy as np
     import torch
 
-    from ddp_conformance.runner.seeds import fresh_seeds
+    from ddp_conformance.runner.rank.seeds import fresh_seeds
 
     def draws() -> tuple[int, float, float, float]:
         return torch.initial_seed(), torch.rand(1).item(), random.random(), float(np.random.rand())
@@ -83,7 +83,7 @@ def test_fresh_seeds_leaves_accelerator_seeding_to_torch_seed_unless_there_is_no
     """The cheap path (the CPU generator alone) only where torch has no other generator to seed."""
     import torch
 
-    from ddp_conformance.runner import seeds
+    from ddp_conformance.runner.rank import seeds
 
     called: list[int] = []
     monkeypatch.setattr(seeds, "_cpu_only_torch", lambda: cpu_only)
@@ -97,7 +97,7 @@ def test_fresh_seeds_leaves_accelerator_seeding_to_torch_seed_unless_there_is_no
 def test_this_torch_is_recognised_as_cpu_only_exactly_when_it_has_no_accelerator() -> None:
     import torch
 
-    from ddp_conformance.runner.seeds import _cpu_only_torch
+    from ddp_conformance.runner.rank.seeds import _cpu_only_torch
 
     assert _cpu_only_torch() is (not torch.backends.cuda.is_built() and not torch.backends.mps.is_built()
                                  and not torch.xpu._is_compiled() and not torch.mtia._is_compiled())

@@ -9,16 +9,12 @@ rank here and different data per rank in production. So each rank reseeds when i
 start of every test.
 
 This runs on every rank before every test, on the critical path of the cheapest distributed test,
-so it takes the cheap road to the same result: 38 us where `torch.seed(); random.seed();
-numpy.random.seed()` took 627 us (`python -m timeit -s "from ddp_conformance.runner.seeds import
-fresh_seeds" "fresh_seeds()"`, 2-core CI VM). `torch.seed()` records three stack traces a call for
-accelerator generators a CPU-only build cannot have; `numpy.random.seed()` hashes its entropy in
-Python under `np.errstate`. At world size 4 the ranks' CPU per warm trivial test fell from 8.6 to
-3.2 ms with this (`benchmarks/pytest_overhead.py`, rank cpu column). numpy takes a 32-bit seed: its
-array form (128 bits) ran a rank's numpy reseed through four ufuncs, and the whole reseed cost
-238-397 us of a rank's CPU per test in a 400-test world-size-4 session against 104-255 us with the
-integer (thread CPU around the call in each rank; two sessions before, four after). Two of four ranks share a
-numpy stream in one test with odds of 6 in 2**32.
+so it takes the cheap road to the same result as `torch.seed(); random.seed(); numpy.random.seed()`,
+from one `os.urandom` call: `torch.seed()` records three stack traces a call for accelerator
+generators a CPU-only build cannot have, so a CPU-only torch gets its one generator seeded directly;
+`numpy.random.seed()` hashes its entropy in Python under `np.errstate`, and its array form (128 bits)
+runs four ufuncs, so numpy gets the legacy 32-bit integer seed. Two of four ranks then share a numpy
+stream in one test with odds of 6 in 2**32. The costs are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ import sys
 def fresh_seeds() -> None:
     """Reseed torch (CPU, and accelerators lazily), Python's `random` and numpy (if imported) from
     OS entropy, drawn in one call."""
-    import torch
+    import torch  # deferred: the parent imports this module (SPEC checks) without needing torch
 
     entropy = os.urandom(28)
     if _cpu_only_torch():  # all torch.seed() does on a CPU-only build (64 bits), less its stack traces
@@ -50,7 +46,7 @@ def _cpu_only_torch() -> bool:
     initialises no device, and is asked every time (0.3 us): a test may register a custom device.
     Before torch 2.6 (no `torch.accelerator`) nothing can tell without initialising CUDA, which a
     forked rank must not do, so the answer is no and `torch.seed()` seeds every generator itself."""
-    import torch
+    import torch  # deferred: as in fresh_seeds
 
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
     return accelerator is not None and accelerator.current_accelerator() is None

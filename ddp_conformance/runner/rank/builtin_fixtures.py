@@ -1,11 +1,11 @@
-"""pytest's built-in fixtures inside ranks: capsys, capfd, caplog, recwarn, monkeypatch, tmp_path_factory
-and request behave on each rank as they do in a plain test, for that rank.
+"""pytest's built-in fixtures made real in a rank: capsys, capfd, caplog, recwarn, monkeypatch,
+tmp_path_factory and request behave on each rank as they do in a plain test, for that rank.
 
 Their parent-side values hold the pytest session (capture manager, config, the item) and cannot be
 pickled, and would be the wrong object anyway: capsys in the parent captures the parent. So the
-parent sends a small picklable stand-in (`parent_stand_in`), and each rank turns it into the real
-thing for the duration of the test (`StandIn.materialize`), on its own streams, loggers and
-warnings. No torch here; the rank-side classes import nothing beyond the standard library and pytest.
+parent sends a small picklable stand-in (`wire.StandIn`, made by `parent.stand_ins`), and each rank
+turns it into the real thing for the duration of the test (`materialize`), on its own streams,
+loggers and warnings. No torch here: this imports nothing beyond the standard library and pytest.
 
 What a rank's `request` offers is documented on `RankRequest`.
 """
@@ -16,8 +16,6 @@ import contextlib
 import io
 import logging
 import os
-import pickle
-import re
 import sys
 import tempfile
 import warnings
@@ -28,58 +26,17 @@ from typing import Any, NamedTuple
 
 import pytest
 
-# fixture name -> (capture level, binary, tee): pytest's capture fixtures
-CAPTURE_FIXTURES = {
-    "capsys": ("sys", False, False),
-    "capsysbinary": ("sys", True, False),
-    "capteesys": ("sys", False, True),
-    "capfd": ("fd", False, False),
-    "capfdbinary": ("fd", True, False),
-}
-
-
-class StandIn:
-    """A picklable placeholder the parent sends instead of a built-in fixture's value."""
-
-    def materialize(self, stack: contextlib.ExitStack) -> Any:
-        """The rank's own value, set up now and torn down when `stack` closes (after the test)."""
-        raise NotImplementedError
-
-
-# -- parent side -----------------------------------------------------------------------------------
-def parent_stand_in(name: str, value: Any, item: pytest.Function) -> StandIn | None:
-    """The stand-in for a built-in fixture's value, or None when `value` is not one (it is then
-    pickled as it is). Recognised by type, so a user's fixture of the same name is left alone."""
-    if isinstance(value, pytest.CaptureFixture) and name in CAPTURE_FIXTURES:
-        level, binary, tee = CAPTURE_FIXTURES[name]
-        return CaptureStandIn(level, binary, tee)
-    if isinstance(value, pytest.LogCaptureFixture):
-        return LogCaptureStandIn.from_config(item.config)
-    if isinstance(value, pytest.WarningsRecorder):
-        return WarningsStandIn()
-    if isinstance(value, pytest.MonkeyPatch):
-        return MonkeyPatchStandIn()
-    if isinstance(value, pytest.TempPathFactory):
-        root = value.mktemp(f"ddp-{_safe_name(item.name)}", numbered=True)
-        return TempPathFactoryStandIn(basetemp=value.getbasetemp(), root=root)
-    if isinstance(value, pytest.FixtureRequest):
-        return RequestStandIn.from_request(value, item)
-    return None
-
-
-def _safe_name(name: str) -> str:
-    """A test name as a directory name, as pytest's tmp_path makes it (and as short)."""
-    return re.sub(r"[\W]", "_", name)[:30]
-
-
-def unpicklable_message(name: str, value: Any, exc: BaseException) -> str:
-    """One line for a fixture whose value cannot reach the ranks: which one and what to do. The
-    pickler's own words are kept only when they speak of the user's object, not of this plugin."""
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    said = "" if "ddp_conformance" in reason or len(reason) > 100 else f" ({reason})"
-    return (f"fixture {name!r} cannot be sent to the ranks: its {type(value).__name__} value does not pickle{said}; "
-            "return picklable data from the fixture (numbers, strings, paths, tensors, dataclasses) "
-            "or build the object inside the test")
+from ..wire import (
+    UNSET,
+    CaptureStandIn,
+    LogCaptureStandIn,
+    MonkeyPatchStandIn,
+    RankNode,
+    RequestStandIn,
+    StandIn,
+    TempPathFactoryStandIn,
+    WarningsStandIn,
+)
 
 
 # -- capsys / capfd ----------------------------------------------------------------------------------
@@ -88,19 +45,6 @@ class CaptureResult(NamedTuple):
 
     out: Any
     err: Any
-
-
-@dataclass(frozen=True)
-class CaptureStandIn(StandIn):
-    level: str  # "sys": sys.stdout/sys.stderr; "fd": file descriptors 1 and 2
-    binary: bool = False
-    tee: bool = False
-
-    def materialize(self, stack: contextlib.ExitStack) -> RankCapture:
-        capture = RankCapture(self.level, self.binary, self.tee)
-        capture.start()
-        stack.callback(capture.close)
-        return capture
 
 
 class _TeeIO(io.TextIOWrapper):
@@ -221,31 +165,6 @@ class RankCapture:
 
 
 # -- caplog ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LogCaptureStandIn(StandIn):
-    level: int | None  # --log-level / log_level: the handler's level, and the root logger's floor
-    fmt: str
-    datefmt: str | None
-
-    @classmethod
-    def from_config(cls, config: pytest.Config) -> LogCaptureStandIn:
-        def setting(name: str) -> Any:
-            value = config.getoption(name, None)
-            return value if value is not None else config.getini(name)
-
-        level = setting("log_level")
-        if isinstance(level, str) and level:
-            level = int(level) if level.isdigit() else logging.getLevelName(level.upper())
-        return cls(level=level if isinstance(level, int) else None,
-                   fmt=setting("log_format") or logging.BASIC_FORMAT, datefmt=setting("log_date_format") or None)
-
-    def materialize(self, stack: contextlib.ExitStack) -> RankLogCapture:
-        caplog = RankLogCapture(self.level, self.fmt, self.datefmt)
-        caplog.start()
-        stack.callback(caplog.finish)
-        return caplog
-
-
 class _RecordingHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Keeps the records and their formatted text, as pytest's caplog handler does."""
 
@@ -380,34 +299,6 @@ def warnings_recorder() -> pytest.WarningsRecorder:
     return pytest.WarningsRecorder(_ispytest=True)
 
 
-@dataclass(frozen=True)
-class WarningsStandIn(StandIn):
-    def materialize(self, stack: contextlib.ExitStack) -> pytest.WarningsRecorder:
-        recorder = stack.enter_context(warnings_recorder())
-        warnings.simplefilter("default")  # as pytest's recwarn: every warning, once per location
-        return recorder
-
-
-@dataclass(frozen=True)
-class MonkeyPatchStandIn(StandIn):
-    """A fresh pytest.MonkeyPatch on each rank, undone after the test. Patches a fixture made with
-    the parent's monkeypatch stay in the parent (the ranks are other processes)."""
-
-    def materialize(self, stack: contextlib.ExitStack) -> pytest.MonkeyPatch:
-        patcher = pytest.MonkeyPatch()
-        stack.callback(patcher.undo)
-        return patcher
-
-
-@dataclass(frozen=True)
-class TempPathFactoryStandIn(StandIn):
-    basetemp: Path  # the session's, as in the parent
-    root: Path  # made by the parent for this test: the ranks' directories go here
-
-    def materialize(self, stack: contextlib.ExitStack) -> RankTempPathFactory:
-        return RankTempPathFactory(self.basetemp, self.root)
-
-
 class RankTempPathFactory:
     """tmp_path_factory in a rank. `mktemp(name)` gives every rank the same directory (the k-th
     call with a name on each rank names the same place), under a directory pytest made for this
@@ -434,85 +325,6 @@ class RankTempPathFactory:
 
 
 # -- request -------------------------------------------------------------------------------------------
-_UNSET = object()
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """`request.node.callspec` of a parametrized test: its parameters and id."""
-
-    params: dict[str, Any]
-    id: str
-
-
-@dataclass(frozen=True)
-class RankNode:
-    """`request.node` in a rank: names, markers (closest first, as `iter_markers`), keywords and the
-    callspec of a parametrized test."""
-
-    name: str
-    nodeid: str
-    originalname: str
-    markers: tuple[pytest.Mark, ...] = ()
-    keywords: frozenset[str] = frozenset()
-    callspec_: CallSpec | None = None
-    left_out: tuple[str, ...] = ()  # markers whose arguments did not pickle
-
-    def iter_markers(self, name: str | None = None) -> Iterator[pytest.Mark]:
-        if name is not None and name in self.left_out:
-            raise RuntimeError(f"marker {name!r} of {self.nodeid} cannot be read inside a rank: its arguments do "
-                               "not pickle")
-        return (mark for mark in self.markers if name is None or mark.name == name)
-
-    def get_closest_marker(self, name: str, default: Any = None) -> Any:
-        return next(self.iter_markers(name), default)
-
-    @property
-    def callspec(self) -> CallSpec:
-        if self.callspec_ is None:
-            raise AttributeError(f"{self.nodeid} is not parametrized: it has no callspec")
-        return self.callspec_
-
-
-@dataclass(frozen=True)
-class RequestStandIn(StandIn):
-    node: RankNode
-    fixturenames: tuple[str, ...]
-    param: Any = _UNSET
-
-    @classmethod
-    def from_request(cls, request: pytest.FixtureRequest, item: pytest.Function) -> RequestStandIn:
-        markers, left_out = [], []
-        for mark in item.iter_markers():
-            try:
-                pickle.dumps(mark)
-                markers.append(mark)
-            except Exception:
-                left_out.append(mark.name)
-        callspec = getattr(item, "callspec", None)
-        spec = None
-        if callspec is not None:
-            params = {k: v for k, v in callspec.params.items() if _picklable(v)}
-            spec = CallSpec(params, callspec.id)
-        node = RankNode(name=item.name, nodeid=item.nodeid, originalname=item.originalname,
-                        markers=tuple(markers), keywords=frozenset(item.keywords), callspec_=spec,
-                        left_out=tuple(left_out))
-        param = getattr(request, "param", _UNSET)
-        return cls(node=node, fixturenames=tuple(request.fixturenames),
-                   param=param if _picklable(param) else _UNSET)
-
-    def materialize(self, stack: contextlib.ExitStack) -> RankRequest:
-        return RankRequest(self.node, self.fixturenames, self.param)
-
-
-def _picklable(value: Any) -> bool:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return False
-    return True
-
-
 @dataclass
 class RankRequest:
     """`request` in a rank. Supported: `node` (name, nodeid, originalname, iter_markers,
@@ -522,12 +334,12 @@ class RankRequest:
 
     node: RankNode
     fixturenames: tuple[str, ...]
-    _param: Any = field(default=_UNSET, repr=False)
+    _param: Any = field(default=UNSET, repr=False)
     scope: str = "function"
 
     @property
     def param(self) -> Any:
-        if self._param is _UNSET:
+        if self._param is UNSET:
             raise AttributeError("request.param: this request has no param (as in pytest: only a parametrized "
                                  "fixture's request has one; a test reads request.node.callspec.params)")
         return self._param
@@ -538,3 +350,54 @@ class RankRequest:
             raise AttributeError(name)
         raise AttributeError(f"request.{name} is not available inside a rank (it lives in the pytest process): "
                              "compute what the test needs in a fixture and request that fixture")
+
+
+# -- a stand-in made real ----------------------------------------------------------------------------
+def materialize(stand_in: StandIn, stack: contextlib.ExitStack) -> Any:
+    """The rank's own value for a stand-in the parent sent, set up now and torn down when `stack`
+    closes (after the test)."""
+    return _MAKERS[type(stand_in)](stand_in, stack)
+
+
+def _capture(stand_in: CaptureStandIn, stack: contextlib.ExitStack) -> RankCapture:
+    capture = RankCapture(stand_in.level, stand_in.binary, stand_in.tee)
+    capture.start()
+    stack.callback(capture.close)
+    return capture
+
+
+def _log_capture(stand_in: LogCaptureStandIn, stack: contextlib.ExitStack) -> RankLogCapture:
+    caplog = RankLogCapture(stand_in.level, stand_in.fmt, stand_in.datefmt)
+    caplog.start()
+    stack.callback(caplog.finish)
+    return caplog
+
+
+def _warnings(stand_in: WarningsStandIn, stack: contextlib.ExitStack) -> pytest.WarningsRecorder:
+    recorder = stack.enter_context(warnings_recorder())
+    warnings.simplefilter("default")  # as pytest's recwarn: every warning, once per location
+    return recorder
+
+
+def _monkeypatch(stand_in: MonkeyPatchStandIn, stack: contextlib.ExitStack) -> pytest.MonkeyPatch:
+    patcher = pytest.MonkeyPatch()
+    stack.callback(patcher.undo)
+    return patcher
+
+
+def _tmp_path_factory(stand_in: TempPathFactoryStandIn, stack: contextlib.ExitStack) -> RankTempPathFactory:
+    return RankTempPathFactory(stand_in.basetemp, stand_in.root)
+
+
+def _request(stand_in: RequestStandIn, stack: contextlib.ExitStack) -> RankRequest:
+    return RankRequest(stand_in.node, stand_in.fixturenames, stand_in.param)
+
+
+_MAKERS: dict[type[Any], Any] = {
+    CaptureStandIn: _capture,
+    LogCaptureStandIn: _log_capture,
+    WarningsStandIn: _warnings,
+    MonkeyPatchStandIn: _monkeypatch,
+    TempPathFactoryStandIn: _tmp_path_factory,
+    RequestStandIn: _request,
+}

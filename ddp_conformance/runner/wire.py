@@ -1,6 +1,10 @@
 """The wire types of the runner: what crosses the pipes between the parent and its ranks, and what
-the parent learns from one run of a test (`PoolRun`, results keyed by rank). Both sides import this
-module and nothing else of each other.
+the parent learns from one run of a test (`PoolRun`, results keyed by rank). The parent (`parent/`)
+and the ranks (`rank/`) import this module and nothing of each other.
+
+A test's fixture values travel inside a `Task` too: the `ddp` fixture's parent value (`DdpPlan`) and
+the picklable stand-ins of pytest's built-in fixtures (`StandIn`), which each rank makes real
+(`rank.builtin_fixtures.materialize`) because their parent values hold the pytest session.
 
 Data flows one way: the parent sends a test reference (`Task`), every rank runs it and answers once
 (`RankReply`). Both are pickled with the standard pickler on purpose: torch registers shared-memory
@@ -10,11 +14,17 @@ descriptors and segments behind when a rank is killed.
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Final, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+if TYPE_CHECKING:
+    import pytest
 
 Outcome = Literal["passed", "failed", "skipped", "xfailed"]
 PASSED: Final = "passed"
@@ -165,3 +175,121 @@ def send(conn: Connection, message: object) -> None:
 
 def receive(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
+
+
+# -- the fixture values a Task carries ----------------------------------------------------------------
+@dataclass(frozen=True)
+class DdpPlan:
+    """The `ddp` fixture's value in the parent: the world size and backend it decided. Each rank
+    replaces it with its own `rank.ddp_context.DdpContext` before the test body runs."""
+
+    world_size: int
+    backend: str
+
+
+class StandIn:
+    """A picklable placeholder the parent sends instead of a built-in fixture's value; the rank
+    makes the real one (`rank.builtin_fixtures.materialize`)."""
+
+
+# fixture name -> (capture level, binary, tee): pytest's capture fixtures
+CAPTURE_FIXTURES = {
+    "capsys": ("sys", False, False),
+    "capsysbinary": ("sys", True, False),
+    "capteesys": ("sys", False, True),
+    "capfd": ("fd", False, False),
+    "capfdbinary": ("fd", True, False),
+}
+
+
+@dataclass(frozen=True)
+class CaptureStandIn(StandIn):
+    level: str  # "sys": sys.stdout/sys.stderr; "fd": file descriptors 1 and 2
+    binary: bool = False
+    tee: bool = False
+
+
+@dataclass(frozen=True)
+class LogCaptureStandIn(StandIn):
+    level: int | None  # --log-level / log_level: the handler's level, and the root logger's floor
+    fmt: str
+    datefmt: str | None
+
+
+@dataclass(frozen=True)
+class WarningsStandIn(StandIn):
+    pass
+
+
+@dataclass(frozen=True)
+class MonkeyPatchStandIn(StandIn):
+    """A fresh pytest.MonkeyPatch on each rank, undone after the test. Patches a fixture made with
+    the parent's monkeypatch stay in the parent (the ranks are other processes)."""
+
+
+@dataclass(frozen=True)
+class TempPathFactoryStandIn(StandIn):
+    basetemp: Path  # the session's, as in the parent
+    root: Path  # made by the parent for this test: the ranks' directories go here
+
+
+UNSET: Final[Any] = object()  # `request.param` of a request that has none
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """`request.node.callspec` of a parametrized test: its parameters and id."""
+
+    params: dict[str, Any]
+    id: str
+
+
+@dataclass(frozen=True)
+class RankNode:
+    """`request.node` in a rank: names, markers (closest first, as `iter_markers`), keywords and the
+    callspec of a parametrized test."""
+
+    name: str
+    nodeid: str
+    originalname: str
+    markers: tuple[pytest.Mark, ...] = ()
+    keywords: frozenset[str] = frozenset()
+    callspec_: CallSpec | None = None
+    left_out: tuple[str, ...] = ()  # markers whose arguments did not pickle
+
+    def iter_markers(self, name: str | None = None) -> Iterator[pytest.Mark]:
+        if name is not None and name in self.left_out:
+            raise RuntimeError(f"marker {name!r} of {self.nodeid} cannot be read inside a rank: its arguments do "
+                               "not pickle")
+        return (mark for mark in self.markers if name is None or mark.name == name)
+
+    def get_closest_marker(self, name: str, default: Any = None) -> Any:
+        return next(self.iter_markers(name), default)
+
+    @property
+    def callspec(self) -> CallSpec:
+        if self.callspec_ is None:
+            raise AttributeError(f"{self.nodeid} is not parametrized: it has no callspec")
+        return self.callspec_
+
+
+@dataclass(frozen=True)
+class RequestStandIn(StandIn):
+    node: RankNode
+    fixturenames: tuple[str, ...]
+    param: Any = UNSET
+
+
+# -- the conftest files a Task names (`Task.conftests`) ------------------------------------------------
+CONFTEST = "conftest.py"
+
+
+def conftest_files(plugins: Iterable[object]) -> list[str]:
+    """The files of the conftest modules among pytest's plugins."""
+    files = (getattr(plugin, "__file__", None) for plugin in plugins)
+    return [file for file in files if file and os.path.basename(file) == CONFTEST]
+
+
+def conftest_applies(conftest: str, path: Path) -> bool:
+    """Whether a conftest file applies to the test file at `path`: it is in its directory or above."""
+    return Path(conftest).parent in path.parents

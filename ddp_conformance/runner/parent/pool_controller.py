@@ -1,50 +1,38 @@
 """The controller of spawned mode (pytest-xdist's `DSession`): one per pytest process, owning its
 warm pools.
 
-It turns a collected test into a `Task`, hands it to the pool of the test's (world size, backend),
-judges the answers, and rebuilds a pool whenever a test may have poisoned its group.
+It has a collected test built into a `Task` (`task_builder`), hands it to the pool of the test's
+(world size, backend), judges the answers, and rebuilds a pool whenever a test may have poisoned its
+group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import signal
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
+from ..controller import DdpTest, RunnerSettings, skip_at_item
+from ..wire import FAILED, SKIPPED, XFAILED, DdpPlan
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
-from .builtin_fixtures import parent_stand_in, unpicklable_message
-from .context import DdpPlan
-from .controller import skip_at_item
-from .introspection import conftests_of, recipe_of
-from .protocol import FAILED, SKIPPED, XFAILED, Task
 from .supervisor import PoolStartError, RankPool
+from .task_builder import UnpicklableFixture, make_task
 from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, line_repr, prefixed_output
 from .zygote import Zygote
-
-if TYPE_CHECKING:
-    from ..marker import DdpTest
-    from ..options import Settings
 
 MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
 
 
-class UnpicklableFixture(Exception):
-    pass
-
-
 @dataclass
-class Dispatch:
-    """The outcome of one distributed test, as the plugin reports it."""
+class JudgedRun:
+    """One distributed test's run, judged: its verdict, the ranks' output and the pool's notes."""
 
     verdict: Verdict
     output: str
@@ -57,7 +45,7 @@ PLAN_KEY = pytest.StashKey[DdpPlan]()
 class PoolController:
     """Spawned mode: marked tests run on warm rank pools this process starts and owns."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: RunnerSettings) -> None:
         self.settings = settings
         self._previous_sigterm: tuple[Any] | None = None  # (handler,) once ours is installed
         self._active = False
@@ -106,18 +94,18 @@ class PoolController:
         if plan is None:
             return None
         try:
-            dispatch = self.run(item, plan, test.timeout)
+            judged = self.run(item, plan, test.timeout)
         except UnpicklableFixture as exc:
             problem = str(exc)
         else:
             problem = None
         if problem is not None:
             pytest.fail(problem, pytrace=False)
-        if dispatch.notes:
-            item.add_report_section("call", "ddp pool", "\n".join(dispatch.notes))
-        if dispatch.output:
-            item.add_report_section("call", "output (ranks)", dispatch.output)
-        verdict = dispatch.verdict
+        if judged.notes:
+            item.add_report_section("call", "ddp pool", "\n".join(judged.notes))
+        if judged.output:
+            item.add_report_section("call", "output (ranks)", judged.output)
+        verdict = judged.verdict
         for key, value in verdict.figures.get(0, {}).items():
             item.user_properties.append((key, value))
         if verdict.outcome == SKIPPED:
@@ -247,7 +235,7 @@ class PoolController:
         if pool is not None:
             pool.kill()
 
-    def run(self, item: pytest.Function, plan: DdpPlan, timeout: float) -> Dispatch:
+    def run(self, item: pytest.Function, plan: DdpPlan, timeout: float) -> JudgedRun:
         task = make_task(item)
         notes: list[str] = []
         try:
@@ -261,7 +249,7 @@ class PoolController:
                 pool = self.pool(plan.world_size, plan.backend)
         except PoolStartError as exc:
             verdict = Verdict(FAILED, headline=str(exc).splitlines()[0], body="\n".join(str(exc).splitlines()[1:]))
-            return Dispatch(verdict, "", notes)
+            return JudgedRun(verdict, "", notes)
         try:
             run = pool.run(task, timeout)
         except BaseException:
@@ -271,7 +259,7 @@ class PoolController:
         if run.poisoned:
             self.discard(plan.world_size, plan.backend)
         style = item.config.getoption("tbstyle", "auto")
-        return Dispatch(judge(run, plan.world_size, "long" if style == "auto" else style), prefixed_output(run), notes)
+        return JudgedRun(judge(run, plan.world_size, "long" if style == "auto" else style), prefixed_output(run), notes)
 
     def session_finished(self) -> None:
         """Release the pools before pytest-xdist hears that this worker finished: from then on xdist
@@ -295,111 +283,3 @@ class PoolController:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm[0])
             self._previous_sigterm = None
-
-
-def make_task(item: pytest.Function) -> Task:
-    """The test reference sent to the ranks: module, qualified name and the fixture values."""
-    args: dict[str, Any] = {}
-    for name in item._fixtureinfo.argnames:
-        value = item.funcargs[name]
-        stand_in = parent_stand_in(name, value, item)
-        args[name] = value if stand_in is None else stand_in
-    funcargs = _pickled_funcargs(args)
-    module = item.module
-    assert module is not None and module.__file__ is not None
-    qualname = item.originalname
-    if item.cls is not None:
-        qualname = f"{item.cls.__qualname__}.{qualname}"
-    tbstyle = item.config.getoption("tbstyle", "auto")
-    instance = None
-    if item.instance is not None:
-        try:
-            instance = pickle.dumps(item.instance)
-        except Exception as exc:
-            raise UnpicklableFixture(
-                f"the instance of {item.cls.__qualname__ if item.cls else 'the test class'} cannot be sent to the "
-                f"ranks ({type(exc).__name__}: {exc}); keep its attributes picklable"
-            ) from None
-    return Task(
-        nodeid=item.nodeid,
-        module_path=module.__file__,
-        module_name=module.__name__,
-        qualname=qualname,
-        funcargs=funcargs,
-        sys_path=list(sys.path),
-        cwd=os.getcwd(),
-        tbstyle="long" if tbstyle == "auto" else tbstyle,
-        pytest_config=recipe_of(item.config),
-        conftests=conftests_of(item.config, item.path),
-        instance=instance,
-        local_modules=_local_modules(item.config.rootpath),
-    )
-
-
-def _pickled_funcargs(args: dict[str, Any]) -> bytes:
-    """The fixture values as one pickle; when that fails, the fixture at fault is named."""
-    try:
-        return pickle.dumps(args)
-    except Exception:
-        pass
-    for name, value in args.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise UnpicklableFixture(unpicklable_message(name, value, exc)) from None
-    return pickle.dumps(args)  # each pickles alone: raise what pickling them together raised
-
-
-class _LocalModuleIndex:
-    """The user's modules (under rootdir, not installed packages) the parent imported, by name.
-
-    Asked once per distributed test. A scan of every module in `sys.modules` cost ~3 ms a test,
-    and even comparing `sys.modules` with a copy cost 0.2 ms (thousands of module objects out of
-    cache), so the answer is kept while `sys.modules` keeps its size and its newest entry: an import
-    adds at the end, a removal shrinks it. (A module replaced in place under an older name is not
-    seen; pytest's importers never do that.) A rescan looks again only at new module objects."""
-
-    def __init__(self) -> None:
-        self._signature: tuple[int, str, int] | None = None
-        self._entries: dict[str, tuple[object, tuple[str, bool] | None]] = {}
-        self._found: dict[Path, dict[str, tuple[str, bool]]] = {}
-
-    @staticmethod
-    def _current() -> tuple[int, str, int]:
-        newest = next(reversed(sys.modules), "")
-        return len(sys.modules), newest, id(sys.modules.get(newest))
-
-    def __call__(self, root: Path) -> dict[str, tuple[str, bool]]:
-        signature = self._current()
-        if signature != self._signature:
-            self._rescan()
-            self._signature = signature
-        if root not in self._found:
-            prefix = str(root) + os.sep
-            self._found[root] = {name: entry for name, (_, entry) in self._entries.items()
-                                 if entry is not None and entry[0].startswith(prefix)}
-        return self._found[root]
-
-    def _rescan(self) -> None:
-        previous, self._entries = self._entries, {}
-        for name, module in list(sys.modules.items()):
-            known = previous.get(name)
-            same = known is not None and known[0] is module
-            self._entries[name] = known if same else (module, self._entry(name, module))  # type: ignore[assignment]
-        self._found = {}
-
-    @staticmethod
-    def _entry(name: str, module: object) -> tuple[str, bool] | None:
-        """(file, asserts rewritten) of a module that may be the user's; None for the rest."""
-        file = getattr(module, "__file__", None)
-        if not isinstance(file, str) or not file.endswith(".py") or "site-packages" in file:
-            return None
-        if name == "ddp_conformance" or name.startswith("ddp_conformance."):
-            return None  # the plugin itself imports normally
-        try:
-            return file, "@py_builtins" in vars(module)
-        except TypeError:  # an object without __dict__ standing in sys.modules
-            return None
-
-
-_local_modules = _LocalModuleIndex()

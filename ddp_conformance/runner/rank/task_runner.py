@@ -1,37 +1,31 @@
-"""What a rank does with a test: import its module the way pytest would, call it, report once.
+"""What a rank does with one task: prepare the rank, import and call the test, reply once, restore.
 
-Test modules are imported with pytest's assertion rewriting so a failing `assert` inside rank code
-explains itself ("At index 2 diff: 3 != 4") exactly as it would in the parent.
+The reply always goes back, whatever the test did: its outcome, its figures, and whether this rank's
+group can serve the next test (the parent rebuilds the pool when it cannot).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import functools
-import importlib
-import importlib.abc
-import importlib.util
-import inspect
 import os
 import pickle
 import sys
 import threading
-import types
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
 import pytest
 
-from .builtin_fixtures import StandIn
-from .context import DdpContext, DdpPlan
-from .frames import is_harness
-from .introspection import RankAssertions
-from .protocol import FAILED, PASSED, SKIPPED, WARMUP, XFAILED, RankReply, Task
+from ..frames import is_harness
+from ..wire import FAILED, PASSED, SKIPPED, WARMUP, XFAILED, DdpPlan, RankReply, StandIn, Task
+from .assertion_explanations import RankAssertions
+from .builtin_fixtures import materialize
+from .ddp_context import DdpContext, context_from_env
+from .failure_format import format_failure
+from .module_importer import know_local_modules, load_module, resolve
 from .seeds import fresh_seeds
-
-_modules: dict[str, tuple[float, types.ModuleType]] = {}
 
 
 def quiet_harness_warnings() -> None:
@@ -52,159 +46,10 @@ def quiet_harness_warnings() -> None:
 
 
 def leave_group() -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import, and the fork server has it
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def load_module(path: str, name: str) -> types.ModuleType:
-    """Import a test module with asserts rewritten; reimported only when the file changed."""
-    mtime = os.stat(path).st_mtime
-    cached = _modules.get(path)
-    if cached and cached[0] == mtime:
-        return cached[1]
-    _ensure_parents(name, path)
-    module = types.ModuleType(name)
-    module.__file__ = path
-    module.__package__ = name.rpartition(".")[0]
-    sys.modules[name] = module  # so objects defined there pickle and import by name
-    exec(_compile(path, rewrite=True), module.__dict__)
-    _modules[path] = (mtime, module)
-    return module
-
-
-def resolve(module: types.ModuleType, qualname: str, instance: Any = None) -> Any:
-    if instance is not None:  # the parent's instance, with whatever setup_method and fixtures put there
-        return getattr(instance, qualname.rsplit(".", 1)[-1])
-    owner: Any = module
-    parts = qualname.split(".")
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    if isinstance(owner, type):
-        owner = owner()
-    return getattr(owner, parts[-1])
-
-
-class _LocalModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports, by name, the modules of the user's tree that the parent imported (conftests, test
-    helpers, packages), from the files the parent used, rewriting asserts where pytest did."""
-
-    def __init__(self) -> None:
-        self.files: dict[str, tuple[str, bool]] = {}
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.files:
-            return None
-        file, _ = self.files[name]
-        is_package = os.path.basename(file) == "__init__.py"
-        spec = importlib.util.spec_from_file_location(
-            name, file, loader=self, submodule_search_locations=[os.path.dirname(file)] if is_package else None)
-        return spec
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        file, rewritten = self.files[module.__name__]
-        exec(_compile(file, rewritten), module.__dict__)
-
-
-_local_modules = _LocalModules()
-
-
-def _compile(path: str, rewrite: bool) -> Any:
-    with open(path, "rb") as handle:
-        source = handle.read()
-    tree = ast.parse(source, filename=path)
-    if rewrite:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
-        rewrite_asserts(tree, source, path, None)
-    return compile(tree, path, "exec", dont_inherit=True)
-
-
-def know_local_modules(files: dict[str, tuple[str, bool]]) -> None:
-    if files and not files.items() <= _local_modules.files.items():
-        _local_modules.files.update(files)
-    if files and _local_modules not in sys.meta_path:
-        sys.meta_path.insert(0, _local_modules)
-
-
-def _ensure_parents(name: str, path: str) -> None:
-    """Make `a` and `a.b` importable for a module `a.b.c` (relative imports need them), from the
-    parent's files where it had them, else as bare packages over the matching directories."""
-    parts = name.split(".")
-    directory = os.path.dirname(path)
-    for depth in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[:depth])
-        if parent not in sys.modules:
-            try:
-                importlib.import_module(parent)
-            except ImportError:
-                package = types.ModuleType(parent)
-                package.__path__ = [directory]
-                sys.modules[parent] = package
-        directory = os.path.dirname(directory)
-
-
-def _walk(tb: types.TracebackType | None) -> Iterator[str]:
-    while tb is not None:
-        yield tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-
-
-def shown_exception(exc: BaseException) -> BaseException:
-    """The exception whose traceback a user should read. A harness exception raised `from` the
-    user's (an adapter call that raised, a trainer that could not be built) has only the plugin's
-    frames: its message is the verdict's headline, and its cause holds the user's frames."""
-    while exc.__cause__ is not None and not any(not is_harness(path) for path in _walk(exc.__traceback__)):
-        exc = exc.__cause__
-    return exc
-
-
-def _message_lines(exc: BaseException) -> str:
-    """pytest's `E` lines of an exception without its traceback."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return "\n".join(f"E   {line}" for line in text.splitlines())
-
-
-def format_failure(exc: BaseException, func: Any, style: str) -> tuple[str, str]:
-    """pytest's own representation of a rank's failure in `style`, with the user's frames only, and
-    where it was raised ("path:line"; "" when no frame is the user's): cut to start at the test
-    function as pytest does, then every frame of the plugin itself left out (`frames.is_harness`).
-    A failure with no frame of the user's (a check's verdict, raised by the harness) is its message."""
-    from _pytest._code import Code, ExceptionInfo
-
-    shown = shown_exception(exc)
-    start: tuple[Any, int] | None = None
-    with contextlib.suppress(Exception):
-        code = Code.from_function(inspect.unwrap(func))
-        start = (code.path, code.firstlineno)
-
-    def users_frames(info: ExceptionInfo[BaseException]) -> Any:
-        traceback = info.traceback
-        if start is not None and info.value is shown:
-            cut = traceback.cut(path=start[0], firstlineno=start[1])
-            traceback = cut if cut != traceback else cut.cut(path=start[0])
-        return traceback.filter(info).filter(lambda entry: not is_harness(entry.path))
-
-    info = ExceptionInfo.from_exception(shown)
-    own = users_frames(info)
-    if not own:
-        return _message_lines(shown), ""
-    where = f"{own[-1].path}:{own[-1].lineno + 1}"
-    import io
-
-    from _pytest._io import TerminalWriter
-
-    style = style if style in ("long", "short", "no", "native") else "short"
-    buffer = io.StringIO()
-    writer = TerminalWriter(file=buffer)
-    writer.hasmarkup = False
-    # not str(): TerminalRepr.__str__ strips, eating the first source line's indentation
-    info.getrepr(style=style, funcargs=False, truncate_locals=True, tbfilter=users_frames).toterminal(writer)
-    return buffer.getvalue().rstrip(), where
 
 
 _assertions = RankAssertions()
@@ -219,28 +64,10 @@ def _explained(task: Task) -> contextlib.AbstractContextManager[None]:
     return _assertions.around(task.pytest_config, task.module_path, conftests)
 
 
-@functools.cache
-def _identity() -> tuple[int, int, int, str, str]:
-    """(rank, local_rank, world_size, backend, device) from the pool's environment, read once: a
-    rank keeps them for life, and the environment is put back after every test anyway."""
-    from .backend import rank_device
-
-    backend = os.environ["DDP_CONFORMANCE_BACKEND"]
-    local_rank = int(os.environ["LOCAL_RANK"])
-    return (int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), backend,
-            rank_device(backend, local_rank))
-
-
-def context_from_env() -> DdpContext:
-    """A fresh context for one test (its figures start empty)."""
-    rank, local_rank, world_size, backend, device = _identity()
-    return DdpContext(rank=rank, local_rank=local_rank, world_size=world_size, backend=backend, device_name=device)
-
-
 def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
     """Whether this rank's group can serve the next test, and its collective sequence number (ranks
     that disagree on it are out of step, so the parent rebuilds the pool)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import, and the fork server has it
 
     world = dist.group.WORLD  # None once the test destroyed the default group
     if world is None:
@@ -306,7 +133,7 @@ def _call(func: Any, kwargs: dict[str, Any], ctx: DdpContext) -> None:
     with contextlib.ExitStack() as stack:
         for name, value in kwargs.items():
             if isinstance(value, StandIn):
-                kwargs[name] = value.materialize(stack)
+                kwargs[name] = materialize(value, stack)
         func(**kwargs)
 
 
@@ -386,8 +213,6 @@ def _record_failure(reply: RankReply, exc: BaseException, func: Any, tbstyle: st
             reply.longrepr += f"\n(ddp-conformance: pytest's assertion explanations are unavailable in ranks: " \
                               f"{_assertions.error})"
     except Exception:
-        import traceback
-
         reply.longrepr = "".join(traceback.format_exception(exc))
 
 

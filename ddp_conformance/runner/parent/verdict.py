@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .frames import is_harness, is_users
-from .protocol import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
+from ..frames import is_harness, is_users
+from ..wire import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
 
 
 def ranks_label(ranks: Iterable[int]) -> str:

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ..wire import FAILED, STACK_DUMP_SIGNAL, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
 from .handshake import DiedWhileStarting, Handshake, StartTimeout
 from .process import ProcessHandle, RankProcess, catches_signal
-from .protocol import FAILED, STACK_DUMP_SIGNAL, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
 from .zygote import Zygote
 
 # After one rank has failed, how long the others get to answer before they count as stuck (typically
@@ -207,7 +207,7 @@ class RankPool:
         else:
             with open(log_path, "wb") as log:
                 handle = subprocess.Popen(
-                    [sys.executable, "-m", "ddp_conformance.runner.rank"],
+                    [sys.executable, "-m", "ddp_conformance.runner.rank.serve"],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True,  # a rank's own children die with it (killpg)
                 )

@@ -6,7 +6,7 @@ to the handler Python's `signal` module last saw: SIG_DFL for faulthandler's, wh
 Python. The pool's stack request (STACK_DUMP_SIGNAL) would then kill the rank, and a segfault would
 lose its traceback. So the rank installs them again after every test, and the Lightning adapter
 after every fit. This module is never run as a script: the rank's entry point (`python -m
-...runner.rank`) and the adapter must share its one `_files`.
+...runner.rank.serve`) and the adapter must share its one `_files`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import TextIO
 
-from .protocol import STACK_DUMP_SIGNAL
+from ..wire import STACK_DUMP_SIGNAL
 
 _files: tuple[TextIO, TextIO] | None = None  # (stacks on request, last words): set in a pool's rank only
 

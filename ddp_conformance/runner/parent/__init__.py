@@ -1,0 +1,1 @@
+"""The parent side of the runner: the pytest process that starts, feeds, watches and judges rank pools."""

@@ -1,0 +1,106 @@
+"""The fork-server process ranks are forked from (`python -m ddp_conformance.runner.rank.fork_server`).
+
+It imports what every rank needs (PRELOAD) once, then forks a rank per request of its parent's
+`parent.zygote._Server`; each child becomes a rank (`serve.serve`) without returning into the loop.
+It is on the rank side because every rank starts as a copy of this process: what it imports, every
+rank has. It reaps its children and reports each exit status to the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from ..wire import WARMUP, Exited, Fork, Forked, Ready, WarmUp, receive, send
+from . import serve
+
+# what a rank needs to join a group and run a test: imported before the zygote says it is ready
+# (torch.optim and torch.nn.parallel come with torch)
+PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
+# wire.WARMUP, once the pool says ranks use it, is imported while the zygote is idle, one module
+# at a time, so that a fork request never waits long
+WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
+
+
+def _child(request: Fork, conn: Connection, zygote_pid: int) -> None:
+    """In the forked rank: never returns into the zygote's loop."""
+    code = 1
+    try:
+        conn.close()
+        os.setsid()  # its own process group, killed whole by the pool
+        log = os.open(request.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.clear()
+        os.environ.update(request.env)
+        os.environ["DDP_CONFORMANCE_PARENT"] = str(zygote_pid)  # taken before the fork: no race
+        serve.die_with_parent()
+        code = serve.serve()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(conn: Connection) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        send(conn, Exited(pid=pid, status=status))
+
+
+def _import_quietly(name: str) -> None:
+    """A preload is an optimisation: one that fails is logged, and the ranks import it themselves."""
+    try:
+        __import__(name)
+    except Exception:
+        traceback.print_exc()
+
+
+def main(fd: int, preload: list[str]) -> int:
+    serve.die_with_parent()
+    conn = Connection(fd)
+    for name in PRELOAD:
+        __import__(name)
+    for name in preload:
+        _import_quietly(name)  # (torch._dynamo also writes os.environ: reset per rank)
+    warmup: list[str] = []
+    busy_until = time.monotonic() + WARMUP_AFTER_IDLE
+    try:
+        send(conn, Ready(pid=os.getpid()))
+        while True:
+            _reap(conn)
+            if not conn.poll(0.02):
+                if warmup and time.monotonic() > busy_until:
+                    _import_quietly(warmup.pop(0))  # (torch._dynamo also writes os.environ: reset per rank)
+                continue
+            busy_until = time.monotonic() + WARMUP_AFTER_IDLE
+            request = receive(conn)
+            if isinstance(request, WarmUp):
+                warmup = [name for name in WARMUP if name not in sys.modules]
+            if isinstance(request, Fork):
+                me = os.getpid()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, conn, me)
+                send(conn, Forked(pid=pid))
+    except (EOFError, OSError):
+        return 0  # the pool is gone (a closed channel is how it says so); its ranks follow us
+
+
+if __name__ == "__main__":
+    code = main(int(sys.argv[1]), sys.argv[2:])
+    sys.stdout.flush()
+    os._exit(code)  # no teardown of torch's modules (1-3 s of CPU): nothing here needs it
