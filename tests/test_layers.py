@@ -1,0 +1,111 @@
+"""The package's layering, read from its source (module-level, TYPE_CHECKING and in-function imports
+alike): no import goes round in a circle anywhere in the package; the runner imports nothing above it;
+its parent and rank sides import nothing of each other (they share `wire.py` and `frames.py`); and an
+import inside a function is there only to defer a heavy one, which a `# deferred: ...` comment says.
+
+`python tests/test_layers.py` prints the counts the architecture page quotes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = "ddp_conformance.runner"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+FILES = {_module(path): path for path in (ROOT / "ddp_conformance").rglob("*.py")}
+
+
+def _statements(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement of a file but `from __future__`, and whether it sits in a function."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and getattr(child, "module", "") != "__future__":
+                found.append((child, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
+    return found
+
+
+def _names(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The package's modules one statement imports (`from . import x` imports `x` too)."""
+    if isinstance(node, ast.Import):
+        found = {alias.name for alias in node.names}
+    else:
+        package = module if FILES[module].name == "__init__.py" else module.rpartition(".")[0]
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+        found = {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {name for name in found if name in FILES and name != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {module: {name for node, _ in _statements(path) for name in _names(module, node)}
+            for module, path in FILES.items()}
+
+
+def _in_circles(graph: dict[str, set[str]]) -> list[str]:
+    """The modules that import themselves back through others."""
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for name in graph[todo.pop()]:
+                if name == goal:
+                    return True
+                if name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+        return False
+
+    return sorted(module for module in graph if reaches(module, module))
+
+
+def _in_functions() -> list[tuple[str, int, bool]]:
+    """(file, line, whether a `# deferred` comment on its line or over its block says why) of every
+    import inside a function."""
+    found = []
+    for module, path in FILES.items():
+        lines = path.read_text().splitlines()
+        for node, in_function in _statements(path):
+            if in_function:
+                around = lines[max(node.lineno - 4, 0):node.end_lineno]
+                said = any("# deferred" in line.lower() for line in around)
+                found.append((str(path.relative_to(ROOT)), node.lineno, said))
+    return found
+
+
+def test_no_import_goes_round_in_a_circle() -> None:
+    assert _in_circles(_graph()) == []
+
+
+def test_the_runner_imports_nothing_above_it() -> None:
+    above = sorted((module, name) for module, names in _graph().items() if module.startswith(RUNNER)
+                   for name in names if not name.startswith(RUNNER))
+    assert above == []
+
+
+def test_the_parent_and_rank_sides_import_nothing_of_each_other() -> None:
+    crossing = sorted((module, name) for module, names in _graph().items() for name in names
+                      for mine, theirs in ((".parent", ".rank"), (".rank", ".parent"))
+                      if module.startswith(RUNNER + mine) and name.startswith(RUNNER + theirs))
+    assert crossing == []
+
+
+def test_an_import_in_a_function_says_why_it_is_deferred() -> None:
+    assert [f"{file}:{line}" for file, line, said in _in_functions() if not said] == []
+
+
+if __name__ == "__main__":
+    print(f"modules: {len(FILES)}; modules in import circles: {len(_in_circles(_graph()))}; "
+          f"imports inside functions: {len(_in_functions())}")
