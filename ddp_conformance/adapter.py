@@ -40,6 +40,12 @@ class NotProvided(Exception):
         self.what = what
 
 
+class TrainerBuildError(Exception):
+    """The trainer could not be built (its factory or class raised, or its `setup` with the run's
+    config): no check of it can run. Raised from the trainer's own error, which holds its frames;
+    the suite reports it once and skips the trainer's other checks (`ddp_conformance.builds`)."""
+
+
 @dataclass(frozen=True)
 class RankContext:
     """Where an adapter runs: this rank of the harness's process group, and a dir shared by all ranks."""

@@ -28,10 +28,10 @@ import pytest
 
 from ..adapter import TrainState
 from ..runner.verdict import ranks_label
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .progress import guarded_fit
-from .states import OUTSIDE, digest, drifted, parameters, trained
-from .vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
+from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.model_state import OUTSIDE, digest, drifted, parameters, trained
+from .support.progress import guarded_fit
+from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
 STEPS = 4
 

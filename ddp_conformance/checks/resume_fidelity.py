@@ -64,12 +64,12 @@ import pytest
 
 from ..adapter import FitObserver, StepInfo, TrainState
 from ..runner.verdict import ranks_label
-from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import unwrapped
-from .progress import guarded_fit, probe_epoch_steps
 from .rank_participation import STEPS as PARTICIPATION_STEPS
-from .states import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
+from .support.observe import unwrapped
+from .support.progress import guarded_fit, probe_epoch_steps
+from .support.vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig

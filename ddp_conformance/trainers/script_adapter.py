@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ..adapter import NotProvided, TrainerAdapter
+from ..adapter import NotProvided, TrainerAdapter, TrainerBuildError
 from ..runner.seeds import fresh_seeds
 
 SCRIPT_PREFIX = "script:"
@@ -317,8 +317,6 @@ class ScriptAdapter(TrainerAdapter):
         """Stop the trainer's checks, naming the SPEC, when the script took fewer steps than asked or
         no argument gives it its steps; note it when it began more (it was ended at the steps asked,
         so what the checks judged is the run they asked for)."""
-        from ..checks.base import TrainerBuildError
-
         carrier = command.carrier("steps") or command.carrier("epochs")
         if carrier is not None and overran:
             self._note(f"{call}: the script began optimizer step {asked + 1} and was ended after step {asked}: "

@@ -34,16 +34,16 @@ from typing import Any
 
 import pytest
 
-from ..adapter import NotProvided
-from ..runner.verdict import ranks_label
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from ...adapter import NotProvided
+from ...runner.verdict import ranks_label
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
+from ..support.model_state import item_digest
+from ..support.observe import unwrapped
+from ..support.one_world import world_of_one
+from ..support.vacuity import skip_as_vacuous
 from .fit_step import judge_fit_step
-from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
-from .observe import unwrapped
-from .one_world import world_of_one
 from .script_step import judge_script_step
-from .states import item_digest
-from .vacuity import skip_as_vacuous
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
 # measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed

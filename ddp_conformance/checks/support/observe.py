@@ -361,7 +361,7 @@ class FitRecorder:
                 self._stack.callback(param.register_hook(seen).remove)
 
     def _step_info(self, model: Any, training: list[LoaderPass]) -> Any:
-        from ..adapter import StepInfo
+        from ...adapter import StepInfo
 
         record = self.record
         current = training[-1] if training else None
@@ -698,7 +698,7 @@ class ObservedState:
 
     @staticmethod
     def of(result: Any, record: FitRecord) -> Any:
-        from ..adapter import TrainState
+        from ...adapter import TrainState
 
         if isinstance(result, TrainState):
             return result

@@ -38,10 +38,10 @@ from typing import Any, Literal
 
 import pytest
 
-from ..adapter import FitObserver, StepInfo
-from ..runner.process import cpu_seconds
-from ..runner.verdict import ranks_label
-from .base import CheckContext, fmt, hide_on_verdict
+from ...adapter import FitObserver, StepInfo
+from ...runner.process import cpu_seconds
+from ...runner.verdict import ranks_label
+from .check_context import CheckContext, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
@@ -376,7 +376,7 @@ def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], labe
     precondition it cannot judge without, so a skip naming sampler_disjointness. None when the
     loader has no length."""
     __tracebackhide__ = hide_on_verdict
-    from .base import all_gather
+    from .check_context import all_gather
 
     guarded_fit(ctx, label, 1, fit)
     record = ctx.recordings[label]

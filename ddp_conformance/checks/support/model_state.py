@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapter import TrainState
+from ...adapter import TrainState
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ..adapter import FitObserver, StepInfo, TrainState
-from .base import fmt
+from ...adapter import FitObserver, StepInfo, TrainState
+from .check_context import fmt
+from .model_state import digest, parameters
 from .observe import FitRecord
-from .states import digest, parameters
 
 
 class TrainingEvidence(FitObserver):

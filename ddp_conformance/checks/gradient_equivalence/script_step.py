@@ -35,13 +35,21 @@ from unittest import mock
 
 import pytest
 
-from ..adapter import NotProvided
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, fit_diagnosis, max_delta
-from .observe import FitRecord, FitRecorder, children, ddp_argument_forced, rebuilt, trains_batchnorm, unwrapped
-from .one_world import world_of_one
-from .progress import guarded_fit
-from .vacuity import skip_as_vacuous
+from ...adapter import NotProvided
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.gradients import clipping, fit_diagnosis, max_delta
+from ..support.observe import (
+    FitRecord,
+    FitRecorder,
+    children,
+    ddp_argument_forced,
+    rebuilt,
+    trains_batchnorm,
+    unwrapped,
+)
+from ..support.one_world import world_of_one
+from ..support.progress import guarded_fit
+from ..support.vacuity import skip_as_vacuous
 
 LABEL = "script_step"
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .base import CheckContext, fmt
+from .check_context import CheckContext, fmt
 from .observe import unwrapped
 from .one_world import world_of_one
 
