@@ -56,13 +56,14 @@ from __future__ import annotations
 
 import math
 import random
+import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..adapter import FitObserver, StepInfo, TrainState
+from ..adapter import FitObserver, NotProvided, StepInfo, TrainState
 from ..runner.verdict import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
@@ -103,7 +104,7 @@ def _newest_file(directory: Path) -> str | None:
 
 def _disturb_rng(rank: int) -> None:
     import numpy as np
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     seed = 9_000 + 101 * rank
     torch.manual_seed(seed)
@@ -113,7 +114,7 @@ def _disturb_rng(rank: int) -> None:
 
 def _capture_rng() -> tuple[Any, ...]:
     import numpy as np
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
@@ -121,7 +122,7 @@ def _capture_rng() -> tuple[Any, ...]:
 
 def _restore_rng(state: tuple[Any, ...]) -> None:
     import numpy as np
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     torch.set_rng_state(state[0])
     np.random.set_state(state[1])
@@ -152,7 +153,6 @@ def tolerance(ctx: CheckContext) -> float:
 def _epoch_steps(ctx: CheckContext, config: Any) -> int:
     """Optimizer steps per epoch of the real training loader (a one-step probe fit), else of
     `make_loader`, else an assumption the notes state."""
-    from ..adapter import NotProvided
 
     observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs), lengths_are_mine=False)
     if observed is not None:
@@ -732,7 +732,6 @@ class LightningCheckpoint:
 def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
     """What a Lightning checkpoint holds, or None for any other file. Read from the pickle's bytes in
     the zip torch.save writes (keys are stored as plain strings there), so nothing is unpickled."""
-    import zipfile
 
     try:
         with zipfile.ZipFile(checkpoint) as archive:
@@ -746,14 +745,14 @@ def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
 
 
 def _module_keys(checkpoint: Path) -> str:
     """An example of a `module.`-prefixed key in the checkpoint file, if it holds any."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     try:
         payload = torch.load(checkpoint, map_location="cpu", weights_only=True)

@@ -129,7 +129,7 @@ def merged_ddp_kwargs(strategy: Any, config: dict[str, Any]) -> dict[str, Any]:
     "ddp_find_unused_parameters_true") kept, with the run config's (`config`: the keys its file sets)
     on top. Where the two set one key differently, or the strategy is no DDPStrategy, or it holds a
     setting the checks' own DDP cannot carry, one line says where the setting belongs."""
-    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.strategies import StrategyRegistry  # deferred: torch is heavy to import
 
     if strategy is None or strategy in ("auto", "ddp"):
         return dict(config)

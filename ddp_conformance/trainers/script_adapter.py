@@ -49,7 +49,7 @@ that already exists) and its `destroy_process_group` leaves it standing for the 
 `sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
 harness's hooks (`checks/observe.py`), so every check judges the real run: data_consistency the
 dataset its training loader iterated, gradient_equivalence its first step against the same script
-rerun in a world of one (`checks/script_step.py`), bucket_view_memory its own DDP and its gradients
+rerun in a world of one (`checks/gradient_equivalence/script_step.py`), bucket_view_memory its own DDP and its gradients
 at the optimizer step; what a script lacks for one of them is a skip naming it.
 """
 
@@ -398,6 +398,7 @@ class _StepCounter:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _StepCounter:
+        # deferred: torch is heavy to import
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._stack.callback(register_optimizer_step_pre_hook(self._before).remove)

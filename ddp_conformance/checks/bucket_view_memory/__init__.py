@@ -19,7 +19,7 @@
   same section and says so; a trainer whose model ignores the section and stays too small is
   skipped with the sizes, never passed on a number it cannot resolve.
 - Memory (`memory.py`): two warm-up runs first (the first model a process builds pays one-off
-  allocations: 87.8 vs 64.1 MB in ../shared/notes/ddp-facts.md): the trainer as configured, which
+  allocations: 87.8 vs 64.1 MB in docs/ddp-facts.md): the trainer as configured, which
   tells its setting, and one with the flag on; then three off/on pairs. The saving is the median
   pair's (a stray 128-256 KiB allocation in one run was seen), judged on the worst rank; the spread
   between runs of one setting is reported as `measurement_noise_bytes`.
@@ -69,7 +69,7 @@ class PlainDDP:
         return getattr(self._adapter, name)
 
     def wrap(self, model: Any) -> Any:
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None

@@ -126,7 +126,7 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
     """The single-process gradient of `items` from `params`, by name; None if the shapes differ."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     with world_of_one():
         model = single.make_model().train()

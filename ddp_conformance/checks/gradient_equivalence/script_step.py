@@ -139,7 +139,7 @@ def _first_step_problem(record: FitRecord) -> str:
 
 def _samples(batch: Any) -> int | None:
     """The batch dimension of a batch's first tensor (None when it holds none)."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else None
@@ -164,7 +164,7 @@ def _size_problem(ranks: list[list[Any]]) -> str:
 def concatenated(batches: list[Any]) -> Any:
     """The ranks' micro-batches as one: tensors concatenated along dim 0, containers item by item,
     anything else as long as it is the same on every rank; Unjudged naming what cannot be joined."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     head = batches[0]
     if isinstance(head, torch.Tensor):
@@ -241,7 +241,7 @@ class _Rerun:
 
     def _set(self, model: Any, mismatch: list[str]) -> None:
         """The DDP run's first parameters, into the rerun's model at its first training forward."""
-        import torch
+        import torch  # deferred: torch is heavy to import
 
         mine = list(unwrapped(model).parameters())
         if [tuple(p.shape) for p in mine] != [tuple(p.shape) for p in self.start]:
@@ -274,7 +274,7 @@ class _Fed:
     @contextlib.contextmanager
     def patched(self, index: int | None) -> Iterator[None]:
         """DataLoader's `index`th pass of the rerun (the one the DDP run trained from) yields `batches`."""
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader  # deferred: torch is heavy to import
 
         original = DataLoader.__iter__
         calls = [0]

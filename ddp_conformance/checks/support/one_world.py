@@ -49,7 +49,7 @@ class _Done:
         return True
 
     def get_future(self) -> Any:
-        import torch
+        import torch  # deferred: torch is heavy to import
 
         future: Any = torch.futures.Future()
         future.set_result(None)
