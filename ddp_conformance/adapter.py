@@ -77,7 +77,7 @@ class RankContext:
     @classmethod
     def current(cls, workdir: str | Path, device: Any = None) -> RankContext:
         """The context of the calling rank, read from torch.distributed and LOCAL_RANK."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch is heavy to import
 
         if not dist.is_initialized():
             raise RuntimeError("RankContext.current() needs an initialised default process group")

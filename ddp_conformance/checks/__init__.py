@@ -79,6 +79,7 @@ class CheckOptions:
     verdict (naming the ranks that stopped) arrives before the harness's generic timeout.
     """
 
+    trainer: TrainerSpec  # parsed once in the pytest process; resolved (imported) in each rank
     config: RunConfig  # the `--ddp-config` file, read once in the pytest process
     stall_after: float
 
@@ -90,7 +91,7 @@ def stall_seconds(timeout: float) -> float:
     return min(15.0, max(2.0, timeout / 10.0))
 
 
-def run_check(check_id: str, spec: TrainerSpec, options: CheckOptions, ddp: Any, workdir: Any) -> CheckResult:
+def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> CheckResult:
     """Run one check for one trainer on this rank; the suite's test body.
 
     Resolves the parsed SPEC in this rank (classes do not cross processes), reconciles the config
@@ -104,9 +105,9 @@ def run_check(check_id: str, spec: TrainerSpec, options: CheckOptions, ddp: Any,
     figures: dict[str, Any] = {}
     ddp.figures[RESULT_FIGURE] = CheckResult("", figures=figures).as_figure()  # the figures so far, if it errs
     try:
-        with named(spec.label):
-            ctx = CheckContext.create(check_id, spec, options.config, options.stall_after, ddp, Path(workdir),
-                                      figures)
+        with named(options.trainer.label):
+            ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
+                                      Path(workdir), figures)
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)

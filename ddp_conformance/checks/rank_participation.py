@@ -63,9 +63,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                "wrapped_type": wrapped}
     if not any(micro):
         if any(steps):
-            pytest.skip(f"trainer {ctx.spec}: its fit took {steps[0]} optimizer steps but no training forward of a "
-                        "module was seen (is the model called as model.forward(x) instead of model(x)?), so per-rank "
-                        "steps cannot be observed")
+            pytest.skip(f"trainer {ctx.spec.text}: its fit took {steps[0]} optimizer steps but no training forward "
+                        "of a module was seen (is the model called as model.forward(x) instead of model(x)?), so "
+                        "per-rank steps cannot be observed")
         raise ctx.fail(f"no rank ran a forward/backward step: fit({STEPS}) returned without training", **figures)
     idle = [r for r, m in enumerate(micro) if m == 0]
     if idle:

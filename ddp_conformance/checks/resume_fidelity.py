@@ -103,7 +103,7 @@ def _newest_file(directory: Path) -> str | None:
 
 
 def _disturb_rng(rank: int) -> None:
-    import numpy as np
+    import numpy as np  # deferred: numpy is heavy to import
     import torch  # deferred: torch is heavy to import
 
     seed = 9_000 + 101 * rank
@@ -113,7 +113,7 @@ def _disturb_rng(rank: int) -> None:
 
 
 def _capture_rng() -> tuple[Any, ...]:
-    import numpy as np
+    import numpy as np  # deferred: numpy is heavy to import
     import torch  # deferred: torch is heavy to import
 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -121,7 +121,7 @@ def _capture_rng() -> tuple[Any, ...]:
 
 
 def _restore_rng(state: tuple[Any, ...]) -> None:
-    import numpy as np
+    import numpy as np  # deferred: numpy is heavy to import
     import torch  # deferred: torch is heavy to import
 
     torch.set_rng_state(state[0])

@@ -1,7 +1,8 @@
 """The conformance tests: one per trainer SPEC per check, each run on every rank of a gloo/nccl group.
 
 Parametrized in this module's own `pytest_generate_tests` from the session's `--ddp-trainer`
-SPECs, each parsed once (`TrainerSpec`, with its one label), so the suite needs no conftest. A
+SPECs, each parsed once (`TrainerSpec`, with its one label; the test's `trainer` parameter is the
+SPEC as given, its id the label), so the suite needs no conftest. A
 trainer that could not be built fails its first check and skips the others (`ddp_conformance.builds`).
 The ranks receive the parsed SPEC and the config read here, pickled with the test, and import what
 the SPEC names: classes do not cross process boundaries.
@@ -20,13 +21,22 @@ from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPER
 from ddp_conformance.runner.protocol import WARMUP
 from ddp_conformance.trainers.spec import TrainerSpec, session_trainers
 
+PARSED_KEY = pytest.StashKey[dict[str, TrainerSpec]]()
+
+
+def parsed_trainers(config: pytest.Config) -> dict[str, TrainerSpec]:
+    """The session's SPECs, parsed once (`session_trainers`), by the SPEC as given."""
+    if PARSED_KEY not in config.stash:
+        settings = settings_of(config)
+        config.stash[PARSED_KEY] = {spec.text: spec for spec in session_trainers(settings.trainers, settings.spec_base)}
+    return config.stash[PARSED_KEY]
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.name != "test_conformance":
         return
-    settings = settings_of(metafunc.config)
-    params = [pytest.param(spec, check, id=f"{spec.label}-{check}")
-              for spec in session_trainers(settings.trainers, settings.spec_base) for check in CHECK_IDS]
+    params = [pytest.param(text, check, id=f"{spec.label}-{check}")
+              for text, spec in parsed_trainers(metafunc.config).items() for check in CHECK_IDS]
     metafunc.parametrize(("trainer", "check"), params)
 
 
@@ -37,22 +47,23 @@ def conformance_config(pytestconfig: pytest.Config) -> RunConfig:
 
 
 @pytest.fixture
-def conformance_options(request: pytest.FixtureRequest, trainer: TrainerSpec, check: str,
+def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str,
                         conformance_config: RunConfig) -> CheckOptions:
     """Computed in the pytest process, pickled to the ranks. Also tags the test as a conformance
     result for ddp_conformance.report (user properties travel with the report, xdist included)."""
     settings = settings_of(request.config)
-    request.node.user_properties.extend([(TRAINER_PROPERTY, trainer.label), (SPEC_PROPERTY, trainer.text),
+    parsed = parsed_trainers(request.config)[trainer]
+    request.node.user_properties.extend([(TRAINER_PROPERTY, parsed.label), (SPEC_PROPERTY, trainer),
                                          (CHECK_PROPERTY, check)])
     marked = ddp_test(request.node)
     unbuilt = unbuilt_trainers(request.config)
-    build = (trainer.text, marked.world_size if marked is not None else settings.world_size, settings.config_path)
-    unbuilt.skip_if_unbuilt(build, trainer.label)
+    build = (trainer, marked.world_size if marked is not None else settings.world_size, settings.config_path)
+    unbuilt.skip_if_unbuilt(build, parsed.label)
     unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
-    return CheckOptions(config=conformance_config, stall_after=stall_seconds(timeout))
+    return CheckOptions(trainer=parsed, config=conformance_config, stall_after=stall_seconds(timeout))
 
 
 @pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo
-def test_conformance(ddp, tmp_path, trainer: TrainerSpec, check: str, conformance_options: CheckOptions) -> None:
-    run_check(check, trainer, conformance_options, ddp, tmp_path).conclude()
+def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
+    run_check(check, conformance_options, ddp, tmp_path).conclude()

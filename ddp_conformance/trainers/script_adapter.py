@@ -437,7 +437,7 @@ def run_script(argv: list[str], cwd: Path) -> None:
 
 @contextlib.contextmanager
 def _as_torchrun(script: str, args: list[str], cwd: Path) -> Iterator[None]:
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     directory = str(Path(script).parent)  # sys.path[0], as `python script.py` has it
     env = {"LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")),
@@ -456,7 +456,7 @@ def _as_torchrun(script: str, args: list[str], cwd: Path) -> Iterator[None]:
 
 def _join_existing_group(*_args: Any, **_kwargs: Any) -> None:
     """The script's `init_process_group`: the harness's group already exists, and is the script's."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     if not dist.is_initialized():
         raise RuntimeError("the harness's process group is gone; the script cannot join it")

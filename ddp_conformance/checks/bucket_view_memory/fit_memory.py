@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from ...adapter import NotProvided
-from ...trainers.script_adapter import SCRIPT_PREFIX
+from ...trainers.spec import SCRIPT
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
 from ..support.memory import heap_counter, settle
 from ..support.observe import ddp_argument_forced
@@ -69,7 +69,7 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     saving, unmeasured = _saving(ctx, grad_bytes)
     off = [rank for rank, flag in enumerate(flags) if not flag]
     if off:
-        builder = "the script's own" if ctx.spec.startswith(SCRIPT_PREFIX) else "the trainer's fit's own"
+        builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
         where = "on every rank" if len(off) == len(flags) else f"on rank {off[0]}"
         reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
         if declared:

@@ -187,7 +187,7 @@ def concatenated(batches: list[Any]) -> Any:
 def _alone(ctx: CheckContext) -> Any:
     """This rank's own process group of one (collective the first time: every rank makes every
     singleton group, as `new_group` requires), so a rerun's DDP averages over this process alone."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     key = f"{id(dist.group.WORLD)}:{ctx.world_size}"
     if key not in _GROUPS:
@@ -301,7 +301,7 @@ def without_dropout() -> Iterator[None]:
     both runs alike: the masks depend on the batch's shape, so a run on the global batch could never
     draw the ranks' masks, and what DDP synchronises does not depend on them. Other random numbers
     drawn in the step still make it unjudgeable (`FirstStep.rng_drawn`)."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # deferred: torch is heavy to import
 
     def identity(input: Any, *args: Any, **kwargs: Any) -> Any:
         return input

@@ -23,14 +23,15 @@ from typing import Any
 import pytest
 
 from ...adapter import NotProvided
+from ...trainers.spec import LIGHTNING, SCRIPT
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict
 from ..support.observe import dropped_tail
 from ..support.progress import guarded_fit, probe_epoch_steps
 from ..support.sampling import analyse, analyse_started_epoch, per_rank_split
 from . import loader_schemes
 
-#: SPEC forms checked with no adapter the user wrote (spec.LIGHTNING_PREFIX, script_adapter.SCRIPT_PREFIX)
-NO_ADAPTER_PREFIXES = ("lightning:", "script:")
+#: SPEC kinds checked with no adapter the user wrote
+NO_ADAPTER_KINDS = (LIGHTNING, SCRIPT)
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
 #: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
@@ -219,7 +220,7 @@ def _cross_check(ctx: CheckContext, complete: list[Any], figures: dict[str, Any]
 def _has_adapter(ctx: CheckContext) -> bool:
     """Whether the user wrote the trainer's adapter: a `lightning:` or `script:` SPEC is checked with
     none (the harness reads its loader itself), so no verdict may blame an adapter there."""
-    return not ctx.spec.startswith(NO_ADAPTER_PREFIXES)
+    return ctx.spec.kind not in NO_ADAPTER_KINDS
 
 
 def _no_helpers(ctx: CheckContext) -> str:
