@@ -40,6 +40,12 @@ class NotProvided(Exception):
         self.what = what
 
 
+class TrainerBuildError(Exception):
+    """The trainer could not be built (its factory or class raised, or its `setup` with the run's
+    config): no check of it can run. Raised from the trainer's own error, which holds its frames;
+    the suite reports it once and skips the trainer's other checks (`ddp_conformance.builds`)."""
+
+
 @dataclass(frozen=True)
 class RankContext:
     """Where an adapter runs: this rank of the harness's process group, and a dir shared by all ranks."""
@@ -71,7 +77,7 @@ class RankContext:
     @classmethod
     def current(cls, workdir: str | Path, device: Any = None) -> RankContext:
         """The context of the calling rank, read from torch.distributed and LOCAL_RANK."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch is heavy to import
 
         if not dist.is_initialized():
             raise RuntimeError("RankContext.current() needs an initialised default process group")

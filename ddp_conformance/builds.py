@@ -15,10 +15,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from .report import failed_with
-
-BUILD_FAILED = ("ddp_conformance.checks.base", "TrainerBuildError")  # named, not imported: no torch here
+BUILD_FAILED = ("ddp_conformance.adapter", "TrainerBuildError")  # (module, qualname): a rank's error crosses as names
 BuildKey = tuple[str, int, str | None]  # (trainer SPEC, world size, config path)
+
+
+def failed_with(exc: BaseException, named: tuple[str, str]) -> bool:
+    """Whether the test failed with the exception class `named` (module, qualname): raised here (torchrun),
+    or as the first failing rank's exception type, which the pool's failure carries."""
+    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
+    return named in raised or getattr(exc, "rank_exc_type", None) == named
 
 
 class UnbuiltTrainers:

@@ -310,7 +310,7 @@ def _yaml_loader() -> type:
 
     PyYAML follows YAML 1.1, where a float needs a dot, so `lr: 1e-4` would arrive as a string.
     """
-    import yaml
+    import yaml  # deferred: yaml is heavy to import
 
     class Loader(yaml.SafeLoader):
         pass
@@ -327,7 +327,7 @@ def load_config(path: str | Path | None) -> RunConfig:
     """Read a config file; None gives the built-in defaults. Raises ConfigError with one line."""
     if path is None:
         return RunConfig()
-    import yaml
+    import yaml  # deferred: yaml is heavy to import
 
     where = str(path)
     try:

@@ -1,10 +1,12 @@
 """The conformance report: a trainer x check matrix at the end of the session, and `--ddp-report` JSON.
 
 Conformance results are recognised by two user properties the suite puts on each of its tests in
-the pytest process (`conformance_trainer`, `conformance_check`); the rest of the test's user
-properties are rank 0's `ddp.figures` (which the plugin also writes to JUnit XML). Reports, not
-items, are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the
-controller, which alone prints the matrix and writes the JSON. No torch, no checks imported here.
+the pytest process (`conformance_trainer`, `conformance_check`). Rank 0's check sends its one result
+(`ddp_conformance.checks.CheckResult`: outcome, verdict, figures) as a single `ddp.figures` value,
+which the runner makes a user property; it is unpacked here once per report: its verdict onto the
+report, its figures as one user property each (so JUnit XML shows every figure). Reports, not items,
+are read (`pytest_runtest_logreport`), so results from pytest-xdist workers reach the controller,
+which alone prints the matrix and writes the JSON. No torch imported here.
 
 JSON shape: {"schema_version": 3, "world_size": N, "backend": "...", "results": [{"trainer", "spec",
 "check", "outcome": "passed|failed|skipped", "figures": {...}, "message": "..."}]} (`trainer` is the name
@@ -22,14 +24,17 @@ import json
 import math
 import re
 import textwrap
+from html import escape
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .checks import CHECK_IDS, FAILED, RESULT_FIGURE, CheckResult
+from .options import settings_of, unwritable_reason, where_given
+
 # the trainer's one name (the test id's), its SPEC as given, and the check id
 TRAINER_PROPERTY, SPEC_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_spec", "conformance_check"
-CHECK_FAILED = ("ddp_conformance.checks.base", "CheckFailed")  # named, not imported: no torch here
 VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra attribute: it crosses xdist)
 SCHEMA_VERSION = 3  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
@@ -50,22 +55,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def failed_with(exc: BaseException, named: tuple[str, str]) -> bool:
-    """Whether the test failed with the exception class `named` (module, qualname): raised here (torchrun),
-    or as the first failing rank's exception type, which the pool's failure carries."""
-    raised = {(cls.__module__, cls.__qualname__) for cls in type(exc).__mro__}
-    return named in raised or getattr(exc, "rank_exc_type", None) == named
-
-
-def check_verdict(exc: BaseException) -> str | None:
-    """A failed check's verdict, whole, from the exception pytest saw: the CheckFailed itself where
-    the test ran in this process (torchrun), else the pool's failure, which carries the first failing
-    rank's exception type and one-line message (its headline clips long verdicts)."""
-    if not failed_with(exc, CHECK_FAILED):
-        return None
-    rank_type = getattr(exc, "rank_exc_type", None)
-    message = getattr(exc, "rank_message", "") if rank_type == CHECK_FAILED else str(exc)
-    return message.removeprefix(f"{CHECK_FAILED[1]}: ")
+def unpack_result(report: pytest.TestReport) -> None:
+    """The check's result, sent as one user property, as the report carries it: its verdict (a
+    failure's, on a failed report) as `VERDICT_ATTRIBUTE`, its figures as one user property each, in
+    its place. Once per report (a report already unpacked has no result property)."""
+    properties = report.user_properties
+    at = next((i for i, (key, _) in enumerate(properties) if key == RESULT_FIGURE), None)
+    if at is None:
+        return
+    result = CheckResult.from_figure(properties[at][1])
+    figures = list(result.figures.items()) if result is not None else []
+    report.user_properties = [*properties[:at], *figures, *properties[at + 1:]]
+    if result is not None and result.outcome == FAILED and report.failed and result.verdict:
+        setattr(report, VERDICT_ATTRIBUTE, result.verdict)
 
 
 def _is_result(report: pytest.TestReport) -> bool:
@@ -95,8 +97,6 @@ class ConformanceReport:
         self.html = html  # pytest_html, when it is installed and writing a page
         self.results: list[dict[str, Any]] = []
         self.report_line = ""  # where --ddp-report went, or why it could not be written
-        from .options import where_given
-
         self.report_origin = where_given(config, "ddp_report")
 
     @pytest.hookimpl(wrapper=True)
@@ -105,12 +105,11 @@ class ConformanceReport:
         the xdist controller too); with pytest-html, the verdict and figures on the test's row
         through pytest-html's documented `report.extras`."""
         report = yield
+        unpack_result(report)
         properties = dict(report.user_properties)
         if CHECK_PROPERTY not in properties or not _is_result(report):
             return report
-        verdict = check_verdict(call.excinfo.value) if call.excinfo is not None else None
-        if verdict:
-            setattr(report, VERDICT_ATTRIBUTE, verdict)
+        verdict = getattr(report, VERDICT_ATTRIBUTE, None)
         if self.html is not None:
             trainer, check = properties.pop(TRAINER_PROPERTY), properties.pop(CHECK_PROPERTY)
             properties.pop(SPEC_PROPERTY, None)
@@ -120,7 +119,9 @@ class ConformanceReport:
             report.extras = [*getattr(report, "extras", []), extras.html(row), extras.json(figures, name="figures")]
         return report
 
+    @pytest.hookimpl(tryfirst=True)  # before junitxml writes the properties
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        unpack_result(report)  # where a launcher added the figures after makereport
         properties = dict(report.user_properties)
         if CHECK_PROPERTY not in properties or not _is_result(report):
             return
@@ -133,9 +134,6 @@ class ConformanceReport:
     def document(self) -> dict[str, Any]:
         """The JSON report. World size and backend come from the results' figures (what the ranks
         saw), else from the options."""
-        from .checks import CHECK_IDS
-        from .options import settings_of
-
         settings = settings_of(self.config)
         trainers = list(settings.trainers)
 
@@ -153,8 +151,6 @@ class ConformanceReport:
         """Write `--ddp-report`. Its path was checked before the tests; if writing fails anyway, the
         session still ends with its matrix and summary, one line says why, and the exit status is
         pytest's usage error (unless tests failed): a run that asked for a report and has none fails."""
-        from .options import settings_of
-
         path = settings_of(self.config).report_path
         if not path or hasattr(self.config, "workerinput"):  # under xdist the controller writes it
             return
@@ -163,8 +159,6 @@ class ConformanceReport:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(self.document(), indent=2) + "\n", encoding="utf-8")
         except OSError as exc:
-            from .options import unwritable_reason
-
             reason = unwritable_reason(target) or exc.strerror or str(exc)  # "File exists" would not say which
             self.report_line = f"{self.report_origin}: {path}: could not write the report: {reason}"
             if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
@@ -188,13 +182,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def schema() -> dict[str, Any]:
-    """The JSON Schema of the `--ddp-report` document (shipped with the package)."""
-    return json.loads((Path(__file__).with_name("report.schema.json")).read_text(encoding="utf-8"))
+    """The JSON Schema of the `--ddp-report` document (shipped with the package), its check ids the
+    registry's (`CHECK_IDS`): one list of checks."""
+    document = json.loads((Path(__file__).with_name("report.schema.json")).read_text(encoding="utf-8"))
+    document["$defs"]["result"]["properties"]["check"]["enum"] = list(CHECK_IDS)
+    return document
 
 
 def _pytest_html() -> Any:
     try:
-        import pytest_html
+        import pytest_html  # deferred: an optional plugin, imported only when --html asks for it
     except ImportError:
         return None
     return pytest_html
@@ -202,8 +199,6 @@ def _pytest_html() -> Any:
 
 def _html_figures(trainer: str, check: str, figures: dict[str, Any], verdict: str | None) -> str:
     """The verdict (if any) over a table of every figure, for the report row."""
-    from html import escape
-
     rows = "".join(f"<tr><td>{escape(str(key))}</td><td>{escape(json.dumps(value))}</td></tr>"
                    for key, value in figures.items())
     head = f"<p><b>verdict:</b> {escape(str(verdict))}</p>" if verdict else ""

@@ -67,7 +67,7 @@ def test_ddp_reports_the_settings_the_checks_read() -> None:
     """checks/observe.py reads these attributes off the DDP the fit built, where a missing one reads as
     None; torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` and kept the old name as a
     property, so the old name must still answer on every release."""
-    from ddp_conformance.checks.observe import DDP_SETTINGS
+    from ddp_conformance.checks.support.observe import DDP_SETTINGS
 
     source = inspect.getsource(DistributedDataParallel)
     read = [name for name in DDP_SETTINGS if f"self.{name} =" in source or f"def {name}(" in source]
@@ -90,7 +90,7 @@ def test_the_private_torch_apis_the_harness_reads_answer(ddp) -> None:
     store.set(f"versions/{ddp.rank}", b"1")
     store.wait([f"versions/{rank}" for rank in range(ddp.world_size)])
 
-    from ddp_conformance.checks.memory import shares_its_base
+    from ddp_conformance.checks.support.memory import shares_its_base
 
     model = DistributedDataParallel(torch.nn.Linear(4, 4), gradient_as_bucket_view=True)
     model(torch.ones(2, 4)).sum().backward()

@@ -1,21 +1,30 @@
 """The six conformance checks, and the one entry point the suite calls inside every rank.
 
-Each check is a module with `run(ctx: CheckContext) -> dict` written against the adapter only
-(`ddp_conformance.adapter`): it never imports a trainer. A check either returns its figures (pass),
-raises `CheckFailed` whose first line names the bug (fail), or calls `pytest.skip(reason)` when
-the adapter cannot give what it needs (`NotProvided`) or the platform cannot run it.
+Each check is a module (or a package, when it has a second look of its own) with
+`run(ctx: CheckContext) -> dict`, written against the adapter only (`ddp_conformance.adapter`): it
+never imports a trainer. A check either returns its figures (pass), raises `CheckFailed` whose first
+line names the bug (fail), or calls `pytest.skip(reason)` when the adapter cannot give what it needs
+(`NotProvided`) or the platform cannot run it. `run_check` turns each of the three into one
+`CheckResult`, sent once to the pytest process (`ddp.figures[RESULT_FIGURE]`), from which the suite's
+test passes, fails or skips and the report reads its row. What the checks share is in `support/`.
 
-Importing this package does not import torch: the suite module imports it in the pytest process
-just to learn the check ids.
+Importing this package does not import torch: the suite and the report import it in the pytest
+process for the check ids and the result's shape.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from .base import CheckContext, CheckFailed, hide_on_verdict
+import pytest
+
+from ..adapter import NotProvided, named
+from ..config import RunConfig
+from ..trainers.spec import TrainerSpec
+from .support.check_context import CheckContext, CheckFailed, hide_on_verdict
 
 #: the check ids, in the order the suite runs them and the report shows them
 CHECK_IDS: tuple[str, ...] = (
@@ -27,6 +36,39 @@ CHECK_IDS: tuple[str, ...] = (
     "bucket_view_memory",
 )
 
+#: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)
+RESULT_FIGURE = "conformance_result"
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's result on one rank: its outcome, its verdict (the failure's diagnosis, the skip's
+    reason, "" on a pass) and the figures it measured. Travels as a plain dict (`as_figure`), which
+    pickles to the pytest process and crosses pytest-xdist like any user property."""
+
+    outcome: str
+    verdict: str = ""
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def as_figure(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "verdict": self.verdict, "figures": self.figures}
+
+    @classmethod
+    def from_figure(cls, value: Any) -> CheckResult | None:
+        """The result sent as `as_figure`, or None for anything else (a test that ended before its check did)."""
+        if not isinstance(value, dict) or not isinstance(value.get("figures"), dict):
+            return None
+        return cls(str(value.get("outcome", "")), str(value.get("verdict", "")), value["figures"])
+
+    def conclude(self) -> None:
+        """Pass, fail or skip the running test as this result says, with its verdict as the message."""
+        __tracebackhide__ = True
+        if self.outcome == SKIPPED:
+            pytest.skip(self.verdict)
+        if self.outcome == FAILED:
+            raise CheckFailed(self.verdict)
+
 
 @dataclass(frozen=True)
 class CheckOptions:
@@ -37,10 +79,9 @@ class CheckOptions:
     verdict (naming the ranks that stopped) arrives before the harness's generic timeout.
     """
 
-    spec_base: str  # what a relative file SPEC is relative to (see options.Settings.spec_base)
-    config_path: str | None
+    trainer: TrainerSpec  # parsed once in the pytest process; resolved (imported) in each rank
+    config: RunConfig  # the `--ddp-config` file, read once in the pytest process
     stall_after: float
-    trainer_name: str = ""  # the session's name for the trainer (`trainer_labels`); its own label when empty
 
 
 def stall_seconds(timeout: float) -> float:
@@ -50,57 +91,33 @@ def stall_seconds(timeout: float) -> float:
     return min(15.0, max(2.0, timeout / 10.0))
 
 
-def trainer_label(spec: str) -> str:
-    """A short, readable name for a SPEC in test ids and the report: built-ins as is, a file SPEC
-    by its file stem (plus the attribute when it is not `Trainer`), a module SPEC by its last part,
-    a `lightning:` SPEC by the names of its parts (`LitModel+LitData`), a `script:` SPEC by its script."""
-    from pathlib import PurePath
+def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> CheckResult:
+    """Run one check for one trainer on this rank; the suite's test body.
 
-    if spec.startswith("lightning:"):  # lightning:pkg.model:LitModel+pkg.data:LitData -> LitModel+LitData
-        return "+".join(part.rpartition(":")[2].strip() for part in spec[len("lightning:"):].split("+"))
-    if spec.startswith("script:"):  # script:path/train.py --flags ... -> train.py
-        words = spec[len("script:"):].split()
-        return PurePath(words[0]).name if words else spec
-    target, sep, attr = spec.rpartition(":")
-    if not sep:
-        return spec
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    stem = PurePath(target).stem if is_file else target.rsplit(".", 1)[-1]
-    return stem if attr == "Trainer" else f"{stem}.{attr}"
-
-
-def trainer_labels(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """Each SPEC's one name for the session (test id, matrix and JSON): its `trainer_label`, or the SPEC
-    itself where two SPECs would share a label (two `conformance_adapter.py` in different folders)."""
-    labels = {spec: trainer_label(spec) for spec in specs}
-    taken = Counter(labels.values())
-    return {spec: label if taken[label] == 1 else spec for spec, label in labels.items()}
-
-
-def run_check(check_id: str, spec: str, options: CheckOptions, ddp: object, workdir: object) -> dict:
-    """Run one check for one trainer SPEC on this rank; the suite's test body.
-
-    Resolves the SPEC and loads the config again inside the rank (the ranks receive strings, not
-    classes), reconciles the config with the group the harness started, and turns `NotProvided`
-    into a skip that says what was missing.
+    Resolves the parsed SPEC in this rank (classes do not cross processes), reconciles the config
+    with the group the harness started, and returns the check's one result, also put in
+    `ddp.figures` as it grows, so that what a check measured before an error of its own is reported.
     """
     __tracebackhide__ = hide_on_verdict
-    import pytest
-
-    from ..adapter import NotProvided, named
-
     if check_id not in CHECK_IDS:
         raise ValueError(f"unknown check {check_id!r}; known: {', '.join(CHECK_IDS)}")
     module = importlib.import_module(f"{__name__}.{check_id}")
+    figures: dict[str, Any] = {}
+    ddp.figures[RESULT_FIGURE] = CheckResult("", figures=figures).as_figure()  # the figures so far, if it errs
     try:
-        with named(options.trainer_name or trainer_label(spec)):
-            ctx = CheckContext.create(check_id, spec, options.spec_base, options.config_path,
-                                      options.stall_after, ddp, workdir)
-            return ctx.finish(module.run(ctx))
+        with named(options.trainer.label):
+            ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
+                                      Path(workdir), figures)
+            result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
+    except CheckFailed as exc:
+        result = CheckResult(FAILED, str(exc), figures)
     except NotProvided as exc:
-        pytest.skip(str(exc))
-    raise AssertionError("unreachable")  # pragma: no cover - pytest.skip raises
+        result = CheckResult(SKIPPED, str(exc), figures)
+    except pytest.skip.Exception as exc:
+        result = CheckResult(SKIPPED, exc.msg, figures)
+    ddp.figures[RESULT_FIGURE] = result.as_figure()
+    return result
 
 
-__all__ = ["CHECK_IDS", "CheckContext", "CheckFailed", "CheckOptions", "run_check", "stall_seconds",
-           "trainer_label", "trainer_labels"]
+__all__ = ["CHECK_IDS", "RESULT_FIGURE", "CheckContext", "CheckFailed", "CheckOptions", "CheckResult", "run_check",
+           "stall_seconds"]

@@ -33,11 +33,11 @@ import pytest
 
 from ..adapter import NotProvided
 from ..runner.rank.seeds import fresh_seeds
-from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import through_subsets
-from .progress import guarded_fit
-from .sampling import per_rank_split
-from .states import item_digest
+from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.model_state import item_digest
+from .support.observe import through_subsets
+from .support.progress import guarded_fit
+from .support.sampling import per_rank_split
 
 SAMPLES = 16
 INDEX_SEED = 0

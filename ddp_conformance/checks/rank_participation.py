@@ -28,10 +28,10 @@ import pytest
 
 from ..adapter import TrainState
 from ..runner.parent.verdict import ranks_label
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .progress import guarded_fit
-from .states import OUTSIDE, digest, drifted, parameters, trained
-from .vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
+from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.model_state import OUTSIDE, digest, drifted, parameters, trained
+from .support.progress import guarded_fit
+from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
 STEPS = 4
 
@@ -63,9 +63,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                "wrapped_type": wrapped}
     if not any(micro):
         if any(steps):
-            pytest.skip(f"trainer {ctx.spec}: its fit took {steps[0]} optimizer steps but no training forward of a "
-                        "module was seen (is the model called as model.forward(x) instead of model(x)?), so per-rank "
-                        "steps cannot be observed")
+            pytest.skip(f"trainer {ctx.spec.text}: its fit took {steps[0]} optimizer steps but no training forward "
+                        "of a module was seen (is the model called as model.forward(x) instead of model(x)?), so "
+                        "per-rank steps cannot be observed")
         raise ctx.fail(f"no rank ran a forward/backward step: fit({STEPS}) returned without training", **figures)
     idle = [r for r, m in enumerate(micro) if m == 0]
     if idle:

@@ -56,20 +56,21 @@ from __future__ import annotations
 
 import math
 import random
+import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..adapter import FitObserver, StepInfo, TrainState
+from ..adapter import FitObserver, NotProvided, StepInfo, TrainState
 from ..runner.parent.verdict import ranks_label
-from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import unwrapped
-from .progress import guarded_fit, probe_epoch_steps
 from .rank_participation import STEPS as PARTICIPATION_STEPS
-from .states import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
+from .support.observe import unwrapped
+from .support.progress import guarded_fit, probe_epoch_steps
+from .support.vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -102,8 +103,8 @@ def _newest_file(directory: Path) -> str | None:
 
 
 def _disturb_rng(rank: int) -> None:
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy is heavy to import
+    import torch  # deferred: torch is heavy to import
 
     seed = 9_000 + 101 * rank
     torch.manual_seed(seed)
@@ -112,16 +113,16 @@ def _disturb_rng(rank: int) -> None:
 
 
 def _capture_rng() -> tuple[Any, ...]:
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy is heavy to import
+    import torch  # deferred: torch is heavy to import
 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
 
 
 def _restore_rng(state: tuple[Any, ...]) -> None:
-    import numpy as np
-    import torch
+    import numpy as np  # deferred: numpy is heavy to import
+    import torch  # deferred: torch is heavy to import
 
     torch.set_rng_state(state[0])
     np.random.set_state(state[1])
@@ -152,7 +153,6 @@ def tolerance(ctx: CheckContext) -> float:
 def _epoch_steps(ctx: CheckContext, config: Any) -> int:
     """Optimizer steps per epoch of the real training loader (a one-step probe fit), else of
     `make_loader`, else an assumption the notes state."""
-    from ..adapter import NotProvided
 
     observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs), lengths_are_mine=False)
     if observed is not None:
@@ -732,7 +732,6 @@ class LightningCheckpoint:
 def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
     """What a Lightning checkpoint holds, or None for any other file. Read from the pickle's bytes in
     the zip torch.save writes (keys are stored as plain strings there), so nothing is unpickled."""
-    import zipfile
 
     try:
         with zipfile.ZipFile(checkpoint) as archive:
@@ -746,14 +745,14 @@ def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
 
 
 def _module_keys(checkpoint: Path) -> str:
     """An example of a `module.`-prefixed key in the checkpoint file, if it holds any."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     try:
         payload = torch.load(checkpoint, map_location="cpu", weights_only=True)

@@ -1,9 +1,11 @@
 """The conformance tests: one per trainer SPEC per check, each run on every rank of a gloo/nccl group.
 
 Parametrized in this module's own `pytest_generate_tests` from the session's `--ddp-trainer`
-SPECs, so the suite needs no conftest. A trainer that could not be built fails its first check and
-skips the others (`ddp_conformance.builds`). The ranks receive strings (SPEC, rootdir, config path) and
-resolve them again: classes do not cross process boundaries.
+SPECs, each parsed once (`TrainerSpec`, with its one label; the test's `trainer` parameter is the
+SPEC as given, its id the label), so the suite needs no conftest. A
+trainer that could not be built fails its first check and skips the others (`ddp_conformance.builds`).
+The ranks receive the parsed SPEC and the config read here, pickled with the test, and import what
+the SPEC names: classes do not cross process boundaries.
 """
 
 from __future__ import annotations
@@ -11,38 +13,57 @@ from __future__ import annotations
 import pytest
 
 from ddp_conformance.builds import unbuilt_trainers
-from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds, trainer_labels
+from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds
+from ddp_conformance.config import RunConfig, load_config
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import settings_of
 from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
 from ddp_conformance.runner.wire import WARMUP
+from ddp_conformance.trainers.spec import TrainerSpec, session_trainers
+
+PARSED_KEY = pytest.StashKey[dict[str, TrainerSpec]]()
+
+
+def parsed_trainers(config: pytest.Config) -> dict[str, TrainerSpec]:
+    """The session's SPECs, parsed once (`session_trainers`), by the SPEC as given."""
+    if PARSED_KEY not in config.stash:
+        settings = settings_of(config)
+        config.stash[PARSED_KEY] = {spec.text: spec for spec in session_trainers(settings.trainers, settings.spec_base)}
+    return config.stash[PARSED_KEY]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.name != "test_conformance":
         return
-    labels = trainer_labels(settings_of(metafunc.config).trainers)
-    params = [pytest.param(spec, check, id=f"{label}-{check}") for spec, label in labels.items() for check in CHECK_IDS]
+    params = [pytest.param(text, check, id=f"{spec.label}-{check}")
+              for text, spec in parsed_trainers(metafunc.config).items() for check in CHECK_IDS]
     metafunc.parametrize(("trainer", "check"), params)
 
 
+@pytest.fixture(scope="session")
+def conformance_config(pytestconfig: pytest.Config) -> RunConfig:
+    """`--ddp-config`, read once for the session (the plugin has already checked that it reads)."""
+    return load_config(settings_of(pytestconfig).config_path)
+
+
 @pytest.fixture
-def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str) -> CheckOptions:
+def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str,
+                        conformance_config: RunConfig) -> CheckOptions:
     """Computed in the pytest process, pickled to the ranks. Also tags the test as a conformance
     result for ddp_conformance.report (user properties travel with the report, xdist included)."""
     settings = settings_of(request.config)
-    label = trainer_labels(settings.trainers)[trainer]  # the test id's name for it, in the matrix and JSON too
-    request.node.user_properties.extend([(TRAINER_PROPERTY, label), (SPEC_PROPERTY, trainer), (CHECK_PROPERTY, check)])
+    parsed = parsed_trainers(request.config)[trainer]
+    request.node.user_properties.extend([(TRAINER_PROPERTY, parsed.label), (SPEC_PROPERTY, trainer),
+                                         (CHECK_PROPERTY, check)])
     marked = ddp_test(request.node)
     unbuilt = unbuilt_trainers(request.config)
     build = (trainer, marked.world_size if marked is not None else settings.world_size, settings.config_path)
-    unbuilt.skip_if_unbuilt(build, label)
+    unbuilt.skip_if_unbuilt(build, parsed.label)
     unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
-    return CheckOptions(spec_base=settings.spec_base, config_path=settings.config_path,
-                        stall_after=stall_seconds(timeout), trainer_name=label)
+    return CheckOptions(trainer=parsed, config=conformance_config, stall_after=stall_seconds(timeout))
 
 
 @pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo
 def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
-    run_check(check, trainer, conformance_options, ddp, tmp_path)
+    run_check(check, conformance_options, ddp, tmp_path).conclude()

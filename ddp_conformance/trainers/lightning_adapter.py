@@ -69,7 +69,7 @@ from ..adapter import FitObserver, NotProvided, RankContext, StepInfo, TrainerAd
 from ..config import RunConfig
 from ..resumable import capture_rng_state, restore_rng_state
 from ..runner.rank import fault_handlers
-from .spec import LightningParts
+from .lightning_parts import LightningParts
 from .torch_ref import cpu_copy, seeded
 
 PROBE_EPOCHS = 3  # sampler_disjointness reads epochs 0, 1 and 2
@@ -95,7 +95,7 @@ _PRECISION = {32: "32-true", "32": "32-true", "32-true": "32-true", 16: "16-mixe
 
 
 @dataclass
-class Built:
+class LightningBuild:
     """One fresh module, its datamodule (None: the module's own `train_dataloader`) and Trainer args."""
 
     module: pl.LightningModule
@@ -103,16 +103,16 @@ class Built:
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def unpack(result: Any, spec: str) -> Built:
-    """A factory's return value as `Built`, or one line saying what it should have returned."""
+def unpack(result: Any, spec: str) -> LightningBuild:
+    """A factory's return value as `LightningBuild`, or one line saying what it should have returned."""
     if isinstance(result, pl.LightningModule):
-        return Built(result)
+        return LightningBuild(result)
     if isinstance(result, tuple) and len(result) in (2, 3):
         module, datamodule, *rest = result
         kwargs = rest[0] if rest else {}
         if (isinstance(module, pl.LightningModule) and isinstance(kwargs, Mapping)
                 and (datamodule is None or isinstance(datamodule, pl.LightningDataModule))):
-            return Built(module, datamodule, dict(kwargs))
+            return LightningBuild(module, datamodule, dict(kwargs))
     shown = f"a tuple of {', '.join(type(v).__name__ for v in result)}" if isinstance(result, tuple) \
         else type(result).__name__
     raise TypeError(f"trainer SPEC {spec!r}: the factory returned {shown}; expected a LightningModule, "
@@ -129,7 +129,7 @@ def merged_ddp_kwargs(strategy: Any, config: dict[str, Any]) -> dict[str, Any]:
     "ddp_find_unused_parameters_true") kept, with the run config's (`config`: the keys its file sets)
     on top. Where the two set one key differently, or the strategy is no DDPStrategy, or it holds a
     setting the checks' own DDP cannot carry, one line says where the setting belongs."""
-    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.strategies import StrategyRegistry  # deferred: torch is heavy to import
 
     if strategy is None or strategy in ("auto", "ddp"):
         return dict(config)
@@ -375,7 +375,7 @@ class ReadLoader(pl.Callback):
 
 
 @dataclass
-class Probe:
+class ProbedEpochs:
     loader: DataLoader
     epochs: list[list[list[int]]]
 
@@ -406,13 +406,13 @@ class LightningAdapter(TrainerAdapter):
         self.wrapped: nn.Module | None = None
         self.losses: list[float] = []
         self.final: TrainState | None = None
-        self._probe: Probe | None = None
+        self._probe: ProbedEpochs | None = None
         self._stand_in: pl.Trainer | None = None  # for a training_step that reads self.trainer outside a fit
         self._ddp_kwargs: dict[str, Any] | None = None
 
     # --- what a subclass may change ----------------------------------------------------------------
 
-    def build(self) -> Built:
+    def build(self) -> LightningBuild:
         """A fresh module, datamodule and Trainer arguments, from the SPEC."""
         parts = self.parts
         if parts is None:
@@ -420,7 +420,7 @@ class LightningAdapter(TrainerAdapter):
         if parts.factory is not None:
             return unpack(parts.factory(), parts.spec)
         assert parts.module is not None
-        return Built(parts.module(), parts.datamodule() if parts.datamodule is not None else None)
+        return LightningBuild(parts.module(), parts.datamodule() if parts.datamodule is not None else None)
 
     def strategy(self) -> DDPStrategy:
         """Lightning's DDPStrategy with the run's DDP kwargs (it passes them on to DDP)."""
@@ -449,13 +449,13 @@ class LightningAdapter(TrainerAdapter):
 
     # --- data: observed in a probe fit --------------------------------------------------------------
 
-    def probe(self, epochs: int = PROBE_EPOCHS) -> Probe:
+    def probe(self, epochs: int = PROBE_EPOCHS) -> ProbedEpochs:
         """The train loader as Lightning builds and prepares it in a fit (collective), cached."""
         if self._probe is None or len(self._probe.epochs) < epochs:
             self._probe = self._run_probe(max(epochs, PROBE_EPOCHS))
         return self._probe
 
-    def _run_probe(self, epochs: int) -> Probe:
+    def _run_probe(self, epochs: int) -> ProbedEpochs:
         saved = capture_rng_state()  # an observation: the caller's RNG is left as it was
         reader = ReadLoader()
         try:
@@ -471,7 +471,7 @@ class LightningAdapter(TrainerAdapter):
             restore_rng_state(saved)
         if reader.loader is None:
             raise NotProvided(self, "its train loader", reader.problem or "Lightning never started an epoch")
-        return Probe(reader.loader, reader.epochs)
+        return ProbedEpochs(reader.loader, reader.epochs)
 
     def make_dataset(self, size: int | None = None) -> Any:
         """The dataset of the train loader Lightning builds (`size` cannot be asked of a datamodule)."""
@@ -569,7 +569,7 @@ class LightningAdapter(TrainerAdapter):
 
     # --- fit / resume: Lightning's Trainer ----------------------------------------------------------
 
-    def trainer_kwargs(self, built: Built) -> dict[str, Any]:
+    def trainer_kwargs(self, built: LightningBuild) -> dict[str, Any]:
         """The factory's Trainer arguments the harness leaves alone; one line on a config conflict."""
         kwargs = {k: v for k, v in built.trainer_kwargs.items() if k not in HARNESS_KEYS}
         config = self.config.trainer
@@ -582,7 +582,7 @@ class LightningAdapter(TrainerAdapter):
                                  f"the checks judge with the config's, so set trainer.{key} in the --ddp-config file")
         return kwargs
 
-    def make_trainer(self, built: Built, callbacks: list[pl.Callback], **run: Any) -> pl.Trainer:
+    def make_trainer(self, built: LightningBuild, callbacks: list[pl.Callback], **run: Any) -> pl.Trainer:
         kwargs = self.trainer_kwargs(built)
         theirs = [c for c in _as_list(kwargs.pop("callbacks", [])) if not isinstance(c, ModelCheckpoint)]
         plugins = [*_as_list(kwargs.pop("plugins", [])), *self.plugins()]

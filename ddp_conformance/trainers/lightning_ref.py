@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 
 from ..config import RunConfig
 from ..lightning import RNGStateCallback
-from .lightning_adapter import Built, LightningAdapter
+from .lightning_adapter import LightningAdapter, LightningBuild
 from .torch_ref import ReferenceData, atomic_save, build_mlp, static_graph
 
 FIT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(pl.Trainer.fit).parameters  # Lightning >= 2.6
@@ -112,8 +112,9 @@ class LightningTrainer(ReferenceData, LightningAdapter):
     module_class: type[RefModule] = RefModule
     reduction = "mean"
 
-    def build(self) -> Built:
-        return Built(self.module_class(self.config, self.reduction), RefDataModule(self), self.trainer_arguments())
+    def build(self) -> LightningBuild:
+        return LightningBuild(self.module_class(self.config, self.reduction), RefDataModule(self),
+                              self.trainer_arguments())
 
     def trainer_arguments(self) -> dict[str, Any]:
         """What the reference's own training script would pass to its Trainer."""

@@ -49,7 +49,7 @@ that already exists) and its `destroy_process_group` leaves it standing for the 
 `sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
 harness's hooks (`checks/observe.py`), so every check judges the real run: data_consistency the
 dataset its training loader iterated, gradient_equivalence its first step against the same script
-rerun in a world of one (`checks/script_step.py`), bucket_view_memory its own DDP and its gradients
+rerun in a world of one (`checks/gradient_equivalence/script_step.py`), bucket_view_memory its own DDP and its gradients
 at the optimizer step; what a script lacks for one of them is a skip naming it.
 """
 
@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ..adapter import NotProvided, TrainerAdapter
+from ..adapter import NotProvided, TrainerAdapter, TrainerBuildError
 from ..runner.rank.seeds import fresh_seeds
 
 SCRIPT_PREFIX = "script:"
@@ -317,8 +317,6 @@ class ScriptAdapter(TrainerAdapter):
         """Stop the trainer's checks, naming the SPEC, when the script took fewer steps than asked or
         no argument gives it its steps; note it when it began more (it was ended at the steps asked,
         so what the checks judged is the run they asked for)."""
-        from ..checks.base import TrainerBuildError
-
         carrier = command.carrier("steps") or command.carrier("epochs")
         if carrier is not None and overran:
             self._note(f"{call}: the script began optimizer step {asked + 1} and was ended after step {asked}: "
@@ -400,6 +398,7 @@ class _StepCounter:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _StepCounter:
+        # deferred: torch is heavy to import
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._stack.callback(register_optimizer_step_pre_hook(self._before).remove)
@@ -438,7 +437,7 @@ def run_script(argv: list[str], cwd: Path) -> None:
 
 @contextlib.contextmanager
 def _as_torchrun(script: str, args: list[str], cwd: Path) -> Iterator[None]:
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     directory = str(Path(script).parent)  # sys.path[0], as `python script.py` has it
     env = {"LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")),
@@ -457,7 +456,7 @@ def _as_torchrun(script: str, args: list[str], cwd: Path) -> Iterator[None]:
 
 def _join_existing_group(*_args: Any, **_kwargs: Any) -> None:
     """The script's `init_process_group`: the harness's group already exists, and is the script's."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     if not dist.is_initialized():
         raise RuntimeError("the harness's process group is gone; the script cannot join it")

@@ -8,10 +8,13 @@ zero-argument factory returning the module, `(module, datamodule)` or `(module, 
 trainer_kwargs)`, for classes that take arguments or a Trainer that needs some (callbacks,
 gradient clipping...). See `lightning_adapter.py`.
 
-Resolution happens twice: once in the pytest process, so a bad SPEC is a one-line usage error
-before anything is spawned, and again inside every rank (the ranks receive the SPEC string, not the
-class), which is why a file SPEC is imported under a name derived from its absolute path: the same
-file gives the same module name in every process, so its classes pickle by reference.
+A SPEC is parsed once, in the pytest process, into a `TrainerSpec`: its kind, the folder a relative
+path is taken from, and its one label (the test id's, the messages' and the report's). The ranks
+receive that value with the test and only import what it names (`TrainerSpec.resolve`): classes do
+not cross process boundaries, which is why a file SPEC is imported under a name derived from its
+absolute path: the same file gives the same module name in every process, so its classes pickle by
+reference. Resolving in the pytest process too makes a bad SPEC a one-line usage error before
+anything is spawned.
 
 This module imports neither torch nor lightning (a `lightning:` SPEC imports the user's modules, which
 do); the built-ins and the Lightning adapter are imported only when their factory is called.
@@ -24,19 +27,22 @@ A `script:` SPEC names a training script by its command lines (`script_adapter.p
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any
 
 from ..adapter import NotProvided, TrainerAdapter
-from .script_adapter import SCRIPT_PREFIX
+from .lightning_parts import LightningParts
+from .script_adapter import SCRIPT_PREFIX, ScriptAdapter, ScriptSpecError, parse_script_spec
 
 BUILTINS: dict[str, str] = {
     "torch": "ddp_conformance.trainers.torch_ref:TorchTrainer",
@@ -44,6 +50,7 @@ BUILTINS: dict[str, str] = {
 }
 
 Factory = Callable[[], TrainerAdapter]
+LIGHTNING_PREFIX = "lightning:"
 
 
 class SpecError(ValueError):
@@ -177,32 +184,92 @@ def _is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+BUILTIN, LIGHTNING, SCRIPT, ATTRIBUTE = "builtin", "lightning", "script", "attribute"  # a SPEC's kinds
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """One `--ddp-trainer` SPEC, parsed once: the text as given, the folder a relative path in
+    it is taken from, its kind and its one label. Picklable: the suite sends it to the ranks with the test."""
+
+    text: str
+    base: str
+    kind: str
+    label: str
+
+    @classmethod
+    def parse(cls, text: str, base: str | Path, label: str = "") -> TrainerSpec:
+        """`text` read once; one SpecError line when it has none of the shapes (nothing is imported here)."""
+        spec = text.strip()
+        if spec in BUILTINS:
+            kind = BUILTIN
+        elif spec.startswith(LIGHTNING_PREFIX):
+            kind = LIGHTNING
+        elif spec.startswith(SCRIPT_PREFIX):
+            kind = SCRIPT
+        else:
+            target, sep, attr = spec.rpartition(":")
+            if not sep or not target or not attr:
+                raise SpecError(_message(spec, "expected a built-in name (" + ", ".join(BUILTINS) + "), "
+                                         "package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
+            kind = ATTRIBUTE
+        return cls(text=text, base=str(base), kind=kind, label=label or trainer_label(text))
+
+    def resolve(self) -> Factory:
+        """A zero-argument callable that builds a fresh adapter: imports what the SPEC names, in this
+        process. Raises SpecError with one line on any problem."""
+        rootdir, spec = Path(self.base), self.text.strip()
+        if self.kind == BUILTIN:
+            return _Builtin(spec)
+        if self.kind == LIGHTNING:
+            return _resolve_lightning(spec, rootdir)
+        if self.kind == SCRIPT:
+            return _resolve_script(spec, rootdir)
+        target, _, attr = spec.rpartition(":")
+        return _as_factory(spec, _attribute(spec, target, attr, rootdir, _adapters_in))
+
+
 def resolve_spec(spec: str, rootdir: Path) -> Factory:
     """Turn a SPEC into a zero-argument callable that builds a fresh adapter.
 
     Relative file paths are taken from `rootdir`: the directory a SPEC was typed in (command line),
     or pytest's rootdir for a SPEC from an ini file. Raises SpecError with one line on any problem.
     """
-    spec = spec.strip()
-    if spec in BUILTINS:
-        return _Builtin(spec)
-    if spec.startswith(LIGHTNING_PREFIX):
-        return _resolve_lightning(spec, Path(rootdir))
-    if spec.startswith(SCRIPT_PREFIX):
-        return _resolve_script(spec, Path(rootdir))
+    return TrainerSpec.parse(spec, rootdir).resolve()
+
+
+def trainer_label(spec: str) -> str:
+    """A short, readable name for a SPEC in test ids and the report: built-ins as is, a file SPEC
+    by its file stem (plus the attribute when it is not `Trainer`), a module SPEC by its last part,
+    a `lightning:` SPEC by the names of its parts (`LitModel+LitData`), a `script:` SPEC by its script."""
+    if spec.startswith(LIGHTNING_PREFIX):  # lightning:pkg.model:LitModel+pkg.data:LitData -> LitModel+LitData
+        return "+".join(part.rpartition(":")[2].strip() for part in spec[len(LIGHTNING_PREFIX):].split("+"))
+    if spec.startswith(SCRIPT_PREFIX):  # script:path/train.py --flags ... -> train.py
+        words = spec[len(SCRIPT_PREFIX):].split()
+        return PurePath(words[0]).name if words else spec
     target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise SpecError(_message(spec, "expected a built-in name (" + ", ".join(BUILTINS)
-                                 + "), package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
-    return _as_factory(spec, _attribute(spec, target, attr, Path(rootdir), _adapters_in))
+    if not sep:
+        return spec
+    stem = PurePath(target).stem if _is_file_spec(target) else target.rsplit(".", 1)[-1]
+    return stem if attr == "Trainer" else f"{stem}.{attr}"
+
+
+def trainer_labels(specs: Iterable[str]) -> dict[str, str]:
+    """Each SPEC's one name for the session (test id, matrix and JSON): its `trainer_label`, or the SPEC
+    itself where two SPECs would share a label (two `conformance_adapter.py` in different folders)."""
+    labels = {spec: trainer_label(spec) for spec in specs}
+    taken = Counter(labels.values())
+    return {spec: label if taken[label] == 1 else spec for spec, label in labels.items()}
+
+
+def session_trainers(specs: Iterable[str], base: str | Path) -> tuple[TrainerSpec, ...]:
+    """The session's SPECs, each parsed once with its session label (`trainer_labels`)."""
+    labels = trainer_labels(specs)
+    return tuple(TrainerSpec.parse(spec, base, label) for spec, label in labels.items())
 
 
 def _resolve_script(spec: str, base: Path) -> Factory:
     """A `script:` SPEC: checked here (the script exists, the placeholders are known), run in the ranks."""
-    import functools
-
-    from .script_adapter import ScriptAdapter, ScriptSpecError, parse_script_spec
-
     try:
         parse_script_spec(spec, base)
     except ScriptSpecError as exc:
@@ -252,21 +319,8 @@ def _lightning_kind(value: Any) -> str:
 # ---------------------------------------------------------------------------------------------------
 # lightning:MODULE[+DATAMODULE] | lightning:FACTORY
 
-LIGHTNING_PREFIX = "lightning:"
 _LIGHTNING_USAGE = ("expected lightning:pkg.module:LitModule[+pkg.module:LitDataModule] or "
                     "lightning:path/to/file.py:factory (each part package.module:Attr or path/to/file.py:Attr)")
-
-
-@dataclass(frozen=True)
-class LightningParts:
-    """What a `lightning:` SPEC names: zero-argument builders of the module and datamodule, or one
-    factory returning the module, `(module, datamodule)` or `(module, datamodule, trainer_kwargs)`."""
-
-    spec: str
-    label: str
-    module: Callable[[], Any] | None = None
-    datamodule: Callable[[], Any] | None = None
-    factory: Callable[[], Any] | None = None
 
 
 class _LightningFactory:
@@ -277,7 +331,7 @@ class _LightningFactory:
         self.name = parts.label
 
     def __call__(self) -> TrainerAdapter:
-        from .lightning_adapter import LightningAdapter
+        from .lightning_adapter import LightningAdapter  # deferred: it imports lightning and torch
 
         return LightningAdapter(self.parts)
 

@@ -12,7 +12,7 @@ def test_recorder_sees_ddp_micro_batches_steps_and_the_indices_drawn(ddp):
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
@@ -57,7 +57,7 @@ def test_recorder_sees_ddp_micro_batches_steps_and_the_indices_drawn(ddp):
 
 def _context(ddp, tmp_path, stall_after: float):
     from ddp_conformance.adapter import RankContext
-    from ddp_conformance.checks.base import CheckContext
+    from ddp_conformance.checks.support.check_context import CheckContext
     from ddp_conformance.config import RunConfig
 
     return CheckContext(check_id="watchdog", spec="torch", factory=lambda: None, config=RunConfig(),
@@ -89,7 +89,7 @@ def test_a_fit_that_computes_without_events_is_not_taken_for_a_hang(ddp, tmp_pat
     """A first import or compile on a loaded machine reaches no hook for longer than the watchdog's
     4 x stall_after (here 3.2 s); its CPU time shows it is alive. (A stall_after much below 1 s
     would be unfair: a watcher thread that shares the GIL with a busy fit can wait ~0.6 s.)"""
-    from ddp_conformance.checks.progress import guarded_fit
+    from ddp_conformance.checks.support.progress import guarded_fit
 
     ctx = _context(ddp, tmp_path, stall_after=0.8)
     _, progress = guarded_fit(ctx, "computes", 1, lambda observer: (_compute(4.0), _train_one_step()))
@@ -101,8 +101,8 @@ def test_a_rank_blocked_while_another_is_done_is_a_hang(ddp, tmp_path):
     """Rank 0 blocked (no CPU, no event) while rank 1 has finished: a hang after ~stall_after."""
     import time
 
-    from ddp_conformance.checks.base import CheckFailed
-    from ddp_conformance.checks.progress import guarded_fit
+    from ddp_conformance.checks.support.check_context import CheckFailed
+    from ddp_conformance.checks.support.progress import guarded_fit
 
     ctx = _context(ddp, tmp_path, stall_after=1.0)
     _train_one_step()  # a rank's first optimizer imports torch._dynamo (~2 s of CPU): not the watcher's
@@ -147,7 +147,7 @@ def _beat_over(seconds: float, work) -> tuple[bool, float]:
     import threading
     import time
 
-    from ddp_conformance.checks.progress import POLL_SECONDS, Progress, RunnableBeat
+    from ddp_conformance.checks.support.progress import POLL_SECONDS, Progress, RunnableBeat
 
     stop = threading.Event()
     cpu: list[float] = []
@@ -181,7 +181,7 @@ def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_n
 
     busy, share = _beat_over(1.5, compute)
     # a quarter of a core: the process's CPU time alone would not reach the fallback's share
-    from ddp_conformance.checks.progress import BUSY_CPU_FRACTION
+    from ddp_conformance.checks.support.progress import BUSY_CPU_FRACTION
 
     assert share < BUSY_CPU_FRACTION, f"the core was not loaded ({share:.2f} of it went to the thread)"
     assert busy
@@ -208,7 +208,7 @@ def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_n
 def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(monkeypatch):
     """Judged per thread: five wakers that each waited 12% of a window (a loaded machine) summed to
     60%, and a blocked rank read as computing in CI; one thread runnable 90% of it is computing."""
-    from ddp_conformance.checks.progress import BUSY_WINDOW, Progress, RunnableBeat
+    from ddp_conformance.checks.support.progress import BUSY_WINDOW, Progress, RunnableBeat
 
     def beat_over(per_thread: list[float]) -> bool:
         counters = [{str(tid): 0.0 for tid in range(len(per_thread))},
@@ -224,8 +224,8 @@ def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(
 def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
     import torch
 
-    from ddp_conformance.checks.fit_step import _unjudgeable
-    from ddp_conformance.checks.observe import FirstStep, FitRecord, LoaderPass
+    from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
+    from ddp_conformance.checks.support.observe import FirstStep, FitRecord, LoaderPass
 
     def record(model=None, rng_drawn=False, grads=True, indexed=True):
         model = model or torch.nn.Linear(2, 2)
@@ -248,8 +248,8 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
     import torch
     from torch.utils.data import DataLoader, Sampler
 
-    from ddp_conformance.checks.observe import FitRecorder, input_digest
-    from ddp_conformance.checks.states import OUTSIDE, trained
+    from ddp_conformance.checks.support.model_state import OUTSIDE, trained
+    from ddp_conformance.checks.support.observe import FitRecorder, input_digest
 
     class Pairs(Sampler):  # a hand-written batch sampler of keys, not indices: nothing to read by index
         def __iter__(self):
@@ -285,7 +285,7 @@ def test_a_hand_written_batch_sampler_of_indices_is_recorded_and_its_class_resto
     import torch
     from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler, TensorDataset
 
-    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     class Buckets(Sampler):  # regroups a BatchSampler's batches, as bucketing samplers do
         def __init__(self):
@@ -315,7 +315,7 @@ def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
-    from ddp_conformance.checks.observe import FitRecorder, _through
+    from ddp_conformance.checks.support.observe import FitRecorder, _through
 
     base = TensorDataset(torch.arange(20.0))
     shard = Subset(Subset(base, range(1, 20, 2)), [4, 0, 2])  # odd samples, then three of them
@@ -351,8 +351,8 @@ def test_the_first_step_s_batches_are_kept_as_the_loader_yielded_them_and_read_a
     import torch
     from torch.utils.data import DataLoader
 
-    from ddp_conformance.checks.observe import FitRecorder
-    from ddp_conformance.checks.script_step import _first_step_problem
+    from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     data = [{"x": torch.full((3,), float(i)), "id": i} for i in range(8)]
     with FitRecorder(first_step=True, keep_batches=True) as recorder:
@@ -377,7 +377,7 @@ def test_the_ranks_micro_batches_are_joined_along_the_batch_dimension_or_the_ski
 
     import torch
 
-    from ddp_conformance.checks.script_step import Unjudged, _size_problem, concatenated
+    from ddp_conformance.checks.gradient_equivalence.script_step import Unjudged, _size_problem, concatenated
 
     Pair = namedtuple("Pair", "x y")
     joined = concatenated([{"pair": Pair(torch.zeros(2, 3), torch.zeros(2)), "task": "lm"},
@@ -405,7 +405,7 @@ def test_the_trainer_s_rng_draws_are_told_from_a_dataloader_s_own(dropout, randi
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ddp_conformance.checks.observe import FitRecorder
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))

@@ -13,7 +13,7 @@ def test_the_trainers_collectives_have_one_participant_in_the_world_of_one(ddp):
     import torch.distributed.nn.functional as autograd_collectives
     from lightning.pytorch.strategies import DDPStrategy
 
-    from ddp_conformance.checks.one_world import COLLECTIVES, world_of_one
+    from ddp_conformance.checks.support.one_world import COLLECTIVES, world_of_one
 
     mine = torch.tensor([float(ddp.rank + 1)])  # 1 on rank 0, 2 on rank 1: a real collective changes it
     strategy = DDPStrategy()  # Lightning's reduce / all_gather / broadcast / barrier need no fit
@@ -57,7 +57,7 @@ def test_a_collective_imported_by_name_is_the_world_of_ones_too(monkeypatch):
 
     import torch
 
-    from ddp_conformance.checks.one_world import world_of_one
+    from ddp_conformance.checks.support.one_world import world_of_one
 
     trainer_module = types.ModuleType("users_token_mean")
     exec("from torch.distributed import all_reduce as ar, broadcast", trainer_module.__dict__)

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS, trainer_labels
+from ddp_conformance.checks import CHECK_IDS
 from ddp_conformance.report import MATRIX_WIDTH, matrix_lines, schema
+from ddp_conformance.trainers.spec import trainer_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = json.loads((Path(__file__).parent / "data" / "report_ws4.json").read_text())

@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from ddp_conformance.checks.sampling import ORDER_MIN_SIZE, analyse, analyse_started_epoch
+from ddp_conformance.checks.support.sampling import ORDER_MIN_SIZE, analyse, analyse_started_epoch
 
 EPOCHS = 3  # as the check judges (sampler_disjointness.EPOCHS)
 

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from ddp_conformance.checks import CHECK_IDS
-from ddp_conformance.checks.sampling import ORDER_MIN_SIZE
+from ddp_conformance.checks.support.sampling import ORDER_MIN_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "fixtures" / "mutants"

@@ -3,9 +3,10 @@ and the report's matrix and JSON. No process group; the distributed behaviour is
 
 from __future__ import annotations
 
-from ddp_conformance.checks import CHECK_IDS, stall_seconds, trainer_label
-from ddp_conformance.checks.progress import Progress, stall_verdict
+from ddp_conformance.checks import CHECK_IDS, stall_seconds
+from ddp_conformance.checks.support.progress import Progress, stall_verdict
 from ddp_conformance.report import matrix_lines
+from ddp_conformance.trainers.spec import trainer_label
 
 
 def step(epoch: int, position: int, global_step: int) -> dict:
@@ -112,7 +113,7 @@ def test_a_summed_loss_is_named_with_accumulation_too():
 
 
 def test_training_that_changes_nothing_is_named_by_what_was_observed():
-    from ddp_conformance.checks.vacuity import vacuity_verdict
+    from ddp_conformance.checks.support.vacuity import vacuity_verdict
 
     def rank(grad_steps=4, nonzero=4, losses=(0.9, 0.7, 0.8, 0.6), changed=True):
         return {"grad_steps": grad_steps, "nonzero_grad_steps": nonzero, "losses": list(losses),
@@ -151,7 +152,7 @@ def test_dataset_items_are_compared_by_content_at_fixed_indices():
     import torch
 
     from ddp_conformance.checks.data_consistency import _read, sample_indices
-    from ddp_conformance.checks.states import item_digest
+    from ddp_conformance.checks.support.model_state import item_digest
 
     assert sample_indices(64) == sample_indices(64) and {0, 63} <= set(sample_indices(64))
     assert len(sample_indices(64)) >= 16 and sample_indices(3) == [0, 1, 2] and sample_indices(0) == []
@@ -169,7 +170,7 @@ def test_dataset_items_are_compared_by_content_at_fixed_indices():
 
 
 def test_batches_without_indices_are_judged_by_what_each_rank_was_fed():
-    from ddp_conformance.checks.schemes import ORDER_MIN_BATCHES, inputs_verdict
+    from ddp_conformance.checks.sampler_disjointness.loader_schemes import ORDER_MIN_BATCHES, inputs_verdict
 
     batches = [f"b{i}" for i in range(2 * ORDER_MIN_BATCHES)]
     mine, theirs = batches[:ORDER_MIN_BATCHES], batches[ORDER_MIN_BATCHES:]
@@ -200,7 +201,7 @@ def test_inputs_that_hold_no_positional_tensor_are_not_taken_for_one_batch():
     import numpy as np
     import torch
 
-    from ddp_conformance.checks.observe import fed_digest
+    from ddp_conformance.checks.support.observe import fed_digest
 
     @dataclasses.dataclass
     class Batch:
@@ -216,7 +217,7 @@ def test_inputs_that_hold_no_positional_tensor_are_not_taken_for_one_batch():
 def test_clipping_by_norm_or_value_is_told_from_a_wrong_gradient():
     import torch
 
-    from ddp_conformance.checks.gradients import clipping
+    from ddp_conformance.checks.support.gradients import clipping
 
     single = {"w": torch.tensor([0.5, -2.0, 0.1], dtype=torch.float64), "b": torch.tensor([3.0], dtype=torch.float64)}
     assert clipping({n: g * 0.1 for n, g in single.items()}, single, 1e-5) == (
@@ -235,7 +236,7 @@ def test_clipping_by_norm_or_value_is_told_from_a_wrong_gradient():
 
 
 def test_tensors_stepped_outside_the_model_are_compared_only_where_they_start_alike():
-    from ddp_conformance.checks.states import drifted
+    from ddp_conformance.checks.support.model_state import drifted
 
     replica, shard = "optimizer param_groups[0][4], a scalar", "optimizer param_groups[1][0], shape (8, 4)"
     ranks = [{replica: ("s", "a"), shard: ("r0", "x")}, {replica: ("s", "b"), shard: ("r1", "y")}]
@@ -256,8 +257,8 @@ def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restor
 
 
 def test_a_sampler_that_cannot_say_draws_with_replacement_when_a_rank_repeats_an_index():
-    from ddp_conformance.checks.observe import LoaderPass
     from ddp_conformance.checks.sampler_disjointness import _draws_with_replacement
+    from ddp_conformance.checks.support.observe import LoaderPass
 
     def drew(batches, replacement=None):
         return LoaderPass(length=len(batches), dataset_size=8, sampler="Mine", shuffle=None,
@@ -278,7 +279,7 @@ def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from ddp_conformance.checks.one_world import world_of_one
+    from ddp_conformance.checks.support.one_world import world_of_one
 
     trainer_module = types.ModuleType("users_training_script")
     exec("from torch.distributed import get_world_size as ws, get_rank", trainer_module.__dict__)
@@ -296,7 +297,7 @@ def test_a_gradient_moved_out_of_its_bucket_through_data_is_no_bucket_view():
     and `_is_view` are private; if either changes meaning, this fails)."""
     import torch
 
-    from ddp_conformance.checks.memory import shares_its_base
+    from ddp_conformance.checks.support.memory import shares_its_base
 
     bucket = torch.zeros(10)
     grad = bucket[2:5]
@@ -307,7 +308,7 @@ def test_a_gradient_moved_out_of_its_bucket_through_data_is_no_bucket_view():
 
 
 def test_subsets_drawn_per_rank_are_named_as_such_and_shards_or_one_shared_split_are_not():
-    from ddp_conformance.checks.sampling import per_rank_split
+    from ddp_conformance.checks.support.sampling import per_rank_split
 
     drawn = per_rank_split([[0, 1, 2, 4], [1, 2, 3, 5]])  # two random_split parts drawn on each rank
     assert drawn.startswith("each rank draws from its own random_split subset") and "2 of their 4 and 4" in drawn

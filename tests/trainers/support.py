@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_conformance.adapter import RankContext, TrainerAdapter, TrainState
-from ddp_conformance.checks.states import flat
+from ddp_conformance.checks.support.model_state import flat
 from ddp_conformance.config import RunConfig, load_config, reconcile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,13 +17,13 @@ from ddp_conformance.adapter import RankContext
 from ddp_conformance.config import RunConfig
 from ddp_conformance.lightning import RNGStateCallback
 from ddp_conformance.trainers.lightning_adapter import (
-    Built,
     LightningAdapter,
+    LightningBuild,
     call_as_forward,
     split_batch,
     step_loss,
 )
-from ddp_conformance.trainers.spec import LightningParts
+from ddp_conformance.trainers.lightning_parts import LightningParts
 
 
 class Tiny(pl.LightningModule):
@@ -38,11 +38,11 @@ class Tiny(pl.LightningModule):
         return {"loss": self(batch["x"]).pow(2).mean()}
 
 
-def adapter(tmp_path: Path, kwargs: dict, config: RunConfig | None = None) -> tuple[LightningAdapter, Built]:
+def adapter(tmp_path: Path, kwargs: dict, config: RunConfig | None = None) -> tuple[LightningAdapter, LightningBuild]:
     lit = LightningAdapter(LightningParts(spec="lightning:t.py:make", label="make", factory=lambda: Tiny()))
     lit.setup(config or RunConfig(), RankContext(rank=0, local_rank=0, world_size=1, backend="gloo", device="cpu",
                                                  workdir=tmp_path))
-    return lit, Built(Tiny(), None, kwargs)
+    return lit, LightningBuild(Tiny(), None, kwargs)
 
 
 def test_a_factorys_trainer_arguments_are_kept_and_the_harness_decides_its_own(tmp_path):

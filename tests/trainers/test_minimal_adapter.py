@@ -48,7 +48,7 @@ def test_minimal_adapter_passes_what_the_checks_ask(ddp, tmp_path):
     adapter.train_step(wrapped, adapter.collate([dataset[i] for i in shards[ctx.rank][:4]]))
     assert all(p.grad is not None and p.grad._is_view() for p in wrapped.parameters())
 
-    from ddp_conformance.checks.observe import FitRecorder, ObservedState
+    from ddp_conformance.checks.support.observe import FitRecorder, ObservedState
 
     def observed(call):  # as a check runs a fit: the adapter returns nothing, the hooks see it all
         with FitRecorder() as recorder:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_conformance.adapter import NotProvided, RankContext
-from ddp_conformance.checks.base import TrainerBuildError
+from ddp_conformance.adapter import NotProvided, RankContext, TrainerBuildError
 from ddp_conformance.config import RunConfig
 from ddp_conformance.trainers.script_adapter import ScriptAdapter, parse_script_spec
 from ddp_conformance.trainers.spec import SpecError, resolve_spec

@@ -29,13 +29,13 @@ from typing import Any
 
 import pytest
 
-from ..adapter import NotProvided
-from ..trainers.script_adapter import SCRIPT_PREFIX
-from .base import CheckContext, all_gather, hide_on_verdict, human_bytes
-from .bucket_view_memory import MIN_GRAD_BYTES, PAIRS, STEPS, _fit_keeps_the_views, _grad_bytes, saving_problem
-from .memory import heap_counter, settle
-from .observe import ddp_argument_forced
-from .progress import guarded_fit
+from ...adapter import NotProvided
+from ...trainers.spec import SCRIPT
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
+from ..support.memory import heap_counter, settle
+from ..support.observe import ddp_argument_forced
+from ..support.progress import guarded_fit
+from .grad_views import MIN_GRAD_BYTES, PAIRS, STEPS, fit_keeps_the_views, gradient_bytes, saving_problem
 
 WARM_UPS = 1  # measured runs discarded before the pairs: the first forced run pays one-off allocations
 
@@ -55,7 +55,7 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     record = ctx.recordings.pop("fit-setting")
     flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     views = all_gather(record.grads_were_views)
-    grad_bytes = max(all_gather(0 if record.model is None else _grad_bytes(record.model)))
+    grad_bytes = max(all_gather(0 if record.model is None else gradient_bytes(record.model)))
     del record  # its model and data are not held through the measured runs
     ctx.figures.update(fit_ddp_gradient_as_bucket_view_per_rank=flags, grad_bytes=grad_bytes)
     if None in flags:
@@ -65,11 +65,11 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
             raise ctx.fail(f"{problem}, although the config sets gradient_as_bucket_view: true")
         pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
     if all(flags):
-        _fit_keeps_the_views(ctx, flags, views)  # the layout first: a copy made before the step fails here
+        fit_keeps_the_views(ctx, flags, views)  # the layout first: a copy made before the step fails here
     saving, unmeasured = _saving(ctx, grad_bytes)
     off = [rank for rank, flag in enumerate(flags) if not flag]
     if off:
-        builder = "the script's own" if ctx.spec.startswith(SCRIPT_PREFIX) else "the trainer's fit's own"
+        builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
         where = "on every rank" if len(off) == len(flags) else f"on rank {off[0]}"
         reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
         if declared:
@@ -130,7 +130,7 @@ def _saving(ctx: CheckContext, grad_bytes: int) -> tuple[str | None, str]:
 
 def _counter(device_type: str) -> Callable[[], int] | None:
     if device_type == "cuda":
-        import torch
+        import torch  # deferred: torch is heavy to import
 
         return torch.cuda.memory_allocated
     return heap_counter()
@@ -139,7 +139,7 @@ def _counter(device_type: str) -> Callable[[], int] | None:
 def _held_at_last_step(ctx: CheckContext, read: Callable[[], int], flag: bool, run: int) -> int:
     """What is in use at the pre-hook of the fit's last optimizer step, relative to just before the
     fit, with the flag of every DistributedDataParallel the fit builds forced to `flag`."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook  # deferred: torch is heavy to import
 
     seen: dict[str, Any] = {"steps": 0}
 

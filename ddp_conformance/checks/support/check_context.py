@@ -1,8 +1,8 @@
 """What every check gets: a fresh adapter on demand, the reconciled config, figures, timing.
 
-Figures go straight into the `ddp` fixture's `figures` dict (rank 0's become the test's user
-properties, hence JUnit XML properties and the report), so whatever a check measured before it
-failed is still reported.
+Figures go into the dict of the check's one result (`ddp_conformance.checks.CheckResult`), which
+`run_check` puts in the `ddp` fixture's `figures` before the check starts, so whatever a check
+measured before it failed is still reported.
 """
 
 from __future__ import annotations
@@ -16,23 +16,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .guard import AdapterError, GuardedAdapter
+import pytest
+
+from ...adapter import NotProvided, RankContext, TrainerAdapter, TrainerBuildError, adapter_name
+from ...config import RunConfig, reconcile
+from ...trainers.spec import TrainerSpec
+from .adapter_errors import AdapterError, CallNamingAdapter
 
 if TYPE_CHECKING:
-    from ..adapter import RankContext, TrainerAdapter
-    from ..config import RunConfig
     from .observe import FitRecord
 
 
 class CheckFailed(AssertionError):
     """A conformance violation. The first line of the message is the diagnosis (the bug, not only
     the symptom); the runner puts it in the test's headline, so users fix from that line."""
-
-
-class TrainerBuildError(Exception):
-    """The trainer could not be built (its factory or class raised, or its `setup` with the run's
-    config): no check of it can run. Raised from the trainer's own error, which holds its frames;
-    the suite reports it once and skips the trainer's other checks (`ddp_conformance.builds`)."""
 
 
 def hide_on_verdict(info: Any) -> bool:
@@ -46,7 +43,7 @@ class CheckContext:
     """One check run on one rank: the trainer factory, the config, where to work, what to report."""
 
     check_id: str
-    spec: str
+    spec: TrainerSpec
     factory: Callable[[], TrainerAdapter]
     config: RunConfig
     rank_ctx: RankContext
@@ -70,22 +67,17 @@ class CheckContext:
     _depth: int = 0
 
     @classmethod
-    def create(cls, check_id: str, spec: str, spec_base: str, config_path: str | None, stall_after: float,
-               ddp: Any, workdir: Any) -> CheckContext:
-        from ..adapter import RankContext
-        from ..config import load_config, reconcile
-        from ..trainers.spec import resolve_spec
-
-        factory = resolve_spec(spec, Path(spec_base))
+    def create(cls, check_id: str, spec: TrainerSpec, config: RunConfig, stall_after: float, ddp: Any,
+               workdir: Path, figures: dict[str, Any]) -> CheckContext:
+        """This rank's context: the SPEC resolved here, the session's config fitted to this group."""
+        factory = spec.resolve()
         rank_ctx = RankContext.from_fixture(ddp, workdir)
-        config, notes = reconcile(load_config(config_path), world_size=rank_ctx.world_size,
-                                  backend=rank_ctx.backend, device_type=rank_ctx.device_type,
-                                  num_nodes=rank_ctx.num_nodes)
-        figures = ddp.figures
+        config, notes = reconcile(config, world_size=rank_ctx.world_size, backend=rank_ctx.backend,
+                                  device_type=rank_ctx.device_type, num_nodes=rank_ctx.num_nodes)
         figures.update(world_size=rank_ctx.world_size, backend=rank_ctx.backend)
-        shared = shared_directory(Path(workdir) / check_id, rank_ctx.rank)
+        shared = shared_directory(workdir / check_id, rank_ctx.rank)
         ctx = cls(check_id=check_id, spec=spec, factory=factory, config=config, rank_ctx=rank_ctx, ddp=ddp,
-                  workdir=shared or Path(workdir) / check_id, stall_after=stall_after, figures=figures,
+                  workdir=shared or workdir / check_id, stall_after=stall_after, figures=figures,
                   shared=shared is not None)
         ctx.workdir.mkdir(parents=True, exist_ok=True)
         ctx.config_notes = notes
@@ -93,8 +85,6 @@ class CheckContext:
 
     def require_shared_workdir(self) -> None:
         """Skip unless every rank sees the same directory (progress files, a checkpoint all read)."""
-        import pytest
-
         if not self.shared:
             pytest.skip(f"{self.check_id} needs a directory every rank can read, and the ranks share none (ranks "
                         "on several nodes without a shared filesystem for pytest's tmp_path?)")
@@ -114,7 +104,7 @@ class CheckContext:
         this rank). Counted as the trainer's time: building it may import the trainer's framework
         (Lightning: ~3 s once)."""
         with self.training():
-            adapter = GuardedAdapter(self._built(self.factory))
+            adapter = CallNamingAdapter(self._built(self.factory))
             setup = functools.partial(adapter.setup, config or self.config,
                                       replace(rank_ctx or self.rank_ctx, workdir=self.workdir))
             if config is None and rank_ctx is None:  # as every check sets it up: a failure here fails them all
@@ -132,9 +122,6 @@ class CheckContext:
 
     def _built(self, build: Callable[[], Any]) -> Any:
         """`build()`, its failure raised as the trainer's `TrainerBuildError`, from the trainer's own error."""
-        from ..adapter import NotProvided, adapter_name
-        from . import trainer_label
-
         try:
             return build()
         except NotProvided:
@@ -142,7 +129,7 @@ class CheckContext:
         except Exception as exc:
             cause = exc.__cause__ if isinstance(exc, AdapterError) and exc.__cause__ is not None else exc
             first = str(cause).splitlines()[0] if str(cause) else ""
-            raise TrainerBuildError(f"trainer {adapter_name(trainer_label(self.spec))} could not be built: "
+            raise TrainerBuildError(f"trainer {adapter_name(self.spec.label)} could not be built: "
                                     f"{type(cause).__name__}{': ' if first else ''}{first}") from cause
 
     def config_note(self, text: str) -> None:
@@ -174,8 +161,8 @@ class CheckContext:
             self.observed_steps += steps
 
     def fail(self, message: str, **figures: Any) -> CheckFailed:
-        """Record the figures and return the exception to raise. The verdict travels once, as the
-        exception's message (one line: the runner sends a rank's error's first line, whole)."""
+        """Record the figures and return the exception to raise; `run_check` makes its message the
+        result's verdict, one line (the rank's error's first line is what the runner shows, whole)."""
         message = " ".join(message.split())
         self.figures.update(figures)
         # the report's cell: the verdict's first clause, shortened at a word (never inside a figure), with
@@ -202,7 +189,7 @@ def shared_directory(mine: Path, rank: int) -> Path | None:
     """Rank 0's directory, if every rank can see it (collective). In the plugin's own pools every
     rank gets the same tmp_path anyway; under torchrun each pytest process has its own, so rank 0's
     is used, which exists for all ranks of one node but not across nodes without a shared filesystem."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
@@ -218,7 +205,7 @@ def shared_directory(mine: Path, rank: int) -> Path | None:
 
 def all_gather(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (collective; pickled objects)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]

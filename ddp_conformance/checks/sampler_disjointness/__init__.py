@@ -7,12 +7,12 @@ fit first measures the training loader's length and the micro-batches per optimi
 (`progress.probe_epoch_steps`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
 ("make_loader yields samples the fit never consumed"); where the fit's batches are not lists of
-dataset indices (a batch sampler of keys), the fit's own inputs are judged (`schemes.judge_inputs`: no batch fed
+dataset indices (a batch sampler of keys), the fit's own inputs are judged (`loader_schemes.judge_inputs`: no batch fed
 to two ranks, a new order each epoch), then the helpers' indices where the adapter has them.
 
 The sampling scheme is recognised from what the fit used, and each is held to its own invariant:
 a partition (DistributedSampler or any sampler without replacement: `sampling.py`), independent
-per-rank draws with replacement, or a rank-sharded IterableDataset (`schemes.py`). Advice never
+per-rank draws with replacement, or a rank-sharded IterableDataset (`loader_schemes.py`). Advice never
 asks for something that would break another scheme.
 """
 
@@ -22,15 +22,16 @@ from typing import Any
 
 import pytest
 
-from ..adapter import NotProvided
-from . import schemes
-from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import dropped_tail
-from .progress import guarded_fit, probe_epoch_steps
-from .sampling import analyse, analyse_started_epoch, per_rank_split
+from ...adapter import NotProvided
+from ...trainers.spec import LIGHTNING, SCRIPT
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from ..support.observe import dropped_tail
+from ..support.progress import guarded_fit, probe_epoch_steps
+from ..support.sampling import analyse, analyse_started_epoch, per_rank_split
+from . import loader_schemes
 
-#: SPEC forms checked with no adapter the user wrote (spec.LIGHTNING_PREFIX, script_adapter.SCRIPT_PREFIX)
-NO_ADAPTER_PREFIXES = ("lightning:", "script:")
+#: SPEC kinds checked with no adapter the user wrote
+NO_ADAPTER_KINDS = (LIGHTNING, SCRIPT)
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
 #: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
@@ -47,7 +48,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         return _judge_from_helpers(ctx, "the adapter provides no fit")
     probe = ctx.recordings["probe"].training_passes()
     if any(all_gather(bool(probe) and probe[0].iterable)):
-        return schemes.judge_iterable(ctx, probe)
+        return loader_schemes.judge_iterable(ctx, probe)
     if epoch is None:
         pytest.skip("fit(1) drew its batches through no DataLoader with a length (batches made by hand, e.g. "
                     "torch.randint, or an unsized iterable): there are no epochs or sample indices to judge")
@@ -69,7 +70,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if not indexed:
         figures = _judge_unindexed(ctx, complete)
     elif replacement:
-        figures = schemes.judge_with_replacement(ctx, complete)
+        figures = loader_schemes.judge_with_replacement(ctx, complete)
     else:
         size = complete[0].dataset_size
         assert size is not None  # a map-style dataset: it has indices
@@ -133,7 +134,7 @@ def _judge_started(ctx: CheckContext, later: list[Any], first: int, figures: dic
             if not verdict.ok:
                 raise ctx.fail(verdict.diagnosis, **{**judged, **verdict.figures})
         elif None not in (digest for fed in inputs for digest in fed):
-            shared = schemes.shared_batch(inputs)
+            shared = loader_schemes.shared_batch(inputs)
             if shared:
                 (one, other), position = shared
                 raise ctx.fail(f"ranks {one} and {other} train on the same batch in epoch {epoch} (batch {position} "
@@ -219,7 +220,7 @@ def _cross_check(ctx: CheckContext, complete: list[Any], figures: dict[str, Any]
 def _has_adapter(ctx: CheckContext) -> bool:
     """Whether the user wrote the trainer's adapter: a `lightning:` or `script:` SPEC is checked with
     none (the harness reads its loader itself), so no verdict may blame an adapter there."""
-    return not ctx.spec.startswith(NO_ADAPTER_PREFIXES)
+    return ctx.spec.kind not in NO_ADAPTER_KINDS
 
 
 def _no_helpers(ctx: CheckContext) -> str:
@@ -244,7 +245,7 @@ def _judge_unindexed(ctx: CheckContext, complete: list[Any]) -> dict[str, Any]:
     """A fit whose batches are not lists of dataset indices: its own inputs, then `make_loader`'s
     partition where the adapter has one."""
     __tracebackhide__ = hide_on_verdict
-    fed = schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
+    fed = loader_schemes.judge_inputs(ctx, complete, _shuffles(ctx, complete))
     why = f"the fit's loader batches without a BatchSampler ({complete[0].sampler})"
     helper = _helper_epochs(ctx)
     if helper is None and fed["indices_from"]:

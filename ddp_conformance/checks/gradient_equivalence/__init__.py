@@ -12,7 +12,7 @@ Models are in eval mode for this comparison: dropout masks and BatchNorm batch s
 legitimately differ between a shard and the whole batch, and are not what DDP synchronises.
 
 Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by precision, from
-../shared/notes/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
+docs/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
 relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
 Gradients that are all exactly zero on both sides prove nothing ("0 equals 0"): the check skips,
 naming rank_participation, whose verdict a fit that never trains is (`vacuity.py`).
@@ -34,16 +34,16 @@ from typing import Any
 
 import pytest
 
-from ..adapter import NotProvided
-from ..runner.parent.verdict import ranks_label
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
+from ...adapter import NotProvided
+from ...runner.parent.verdict import ranks_label
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
+from ..support.model_state import item_digest
+from ..support.observe import unwrapped
+from ..support.one_world import world_of_one
+from ..support.vacuity import skip_as_vacuous
 from .fit_step import judge_fit_step
-from .gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
-from .observe import unwrapped
-from .one_world import world_of_one
 from .script_step import judge_script_step
-from .states import item_digest
-from .vacuity import skip_as_vacuous
 
 # only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
 # measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed
@@ -155,7 +155,7 @@ def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: flo
     when the trainer's loss in the real world is the world-of-one loss / world size, "summed" when the
     whole batch's loss is the sum of the shards' losses, "mean" when it is their mean (then the loss
     is not to blame: something after backward divides the gradients), "" when none fits."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     close = 1e-4 * abs(single_loss)
     with torch.no_grad():
@@ -175,7 +175,7 @@ def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: flo
 def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: Any, figures: dict[str, Any]) -> None:
     """EXTRA_STEPS more: the trainer's train_step on fresh shards, the same plain SGD update
     everywhere; the ranks' parameters must stay identical."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     wrapped.train()
     with ctx.training(EXTRA_STEPS):

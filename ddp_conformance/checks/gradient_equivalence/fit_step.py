@@ -23,12 +23,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..adapter import NotProvided
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
-from .observe import FitRecord, trains_batchnorm
-from .one_world import world_of_one
-from .progress import guarded_fit
+from ...adapter import NotProvided
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
+from ..support.observe import FitRecord, trains_batchnorm
+from ..support.one_world import world_of_one
+from ..support.progress import guarded_fit
 
 LABEL = "fit_step"
 
@@ -126,7 +126,7 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
     """The single-process gradient of `items` from `params`, by name; None if the shapes differ."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     with world_of_one():
         model = single.make_model().train()

@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from ..adapter import NotProvided, adapter_name
+from ...adapter import NotProvided, adapter_name
 
 
 class AdapterError(Exception):
@@ -21,7 +21,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-class GuardedAdapter:
+class CallNamingAdapter:
     """Passes every attribute through; a method call that raises is re-raised as `AdapterError`
     naming the call (the original exception stays chained, its traceback in the report)."""
 

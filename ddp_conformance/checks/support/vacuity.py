@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from ..adapter import FitObserver, StepInfo, TrainState
-from .base import fmt
+import pytest
+
+from ...adapter import FitObserver, StepInfo, TrainState
+from .check_context import fmt
+from .model_state import digest, parameters
 from .observe import FitRecord
-from .states import digest, parameters
 
 
 class TrainingEvidence(FitObserver):
@@ -94,6 +96,5 @@ def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
 def skip_as_vacuous(verdict: str) -> NoReturn:
     """A fit that cannot change the model agrees with every comparison, and proves none: that it does
     not train is rank_participation's verdict, so a check that compares skips, naming it."""
-    import pytest
 
     pytest.skip(f"{verdict}: there is nothing to compare (rank_participation fails the trainer for it)")

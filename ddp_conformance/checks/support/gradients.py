@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .base import CheckContext, fmt
+from .check_context import CheckContext, fmt
 from .observe import unwrapped
 from .one_world import world_of_one
 
@@ -85,7 +85,7 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     """`b` clamped to +-c, c the largest |a| (well above the tolerance), some element beyond it, and
     every parameter within its own tolerance of its clamped reference: the unclamped elements are
     judged as any gradient is."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     pairs = [(a[n], g) for n, g in b.items() if g is not None and a.get(n) is not None and g.numel()]
     if not pairs:
@@ -122,7 +122,8 @@ def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
 def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
                world: int, micro: int, rtol: float, where: str) -> str:
     """Why the gradients a fit's first optimizer step applied differ from `whole`, the single-process
-    gradient of the samples its ranks drew for it, or "" for clipping (fit_step.py, script_step.py);
+    gradient of the samples its ranks drew for it, or "" for clipping (gradient_equivalence's
+    fit_step.py, script_step.py);
     `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
     gradients, only when a diagnosis needs them."""
     drew = f"the single-process gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)"

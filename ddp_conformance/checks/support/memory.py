@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +93,6 @@ def settle(read: Callable[[], int], wait: float = 0.005, attempts: int = 40) -> 
     """Collect garbage, then read until two reads agree: a gloo worker thread can drop the last
     reference to a finished all-reduce (and free its bucket) just after the caller moved on, which
     showed as whole buckets (0.8-2.4 MB) appearing in, or missing from, the next run's figures."""
-    import time
 
     gc.collect()
     last = read()
@@ -109,7 +109,7 @@ def measure_step(adapter: Any, batch: Any, flag: bool, steps: int, device_type: 
     """Build the adapter's model, wrap it the trainer's way, run `steps` of its train_step, and
     read what that holds. Gradients are not zeroed between steps (they accumulate in place), so
     from the second step on each setting keeps its steady-state layout."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     gc.collect()
     if device_type == "cuda":

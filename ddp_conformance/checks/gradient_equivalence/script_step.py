@@ -35,13 +35,21 @@ from unittest import mock
 
 import pytest
 
-from ..adapter import NotProvided
-from .base import CheckContext, all_gather, fmt, hide_on_verdict
-from .gradients import clipping, fit_diagnosis, max_delta
-from .observe import FitRecord, FitRecorder, children, ddp_argument_forced, rebuilt, trains_batchnorm, unwrapped
-from .one_world import world_of_one
-from .progress import guarded_fit
-from .vacuity import skip_as_vacuous
+from ...adapter import NotProvided
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.gradients import clipping, fit_diagnosis, max_delta
+from ..support.observe import (
+    FitRecord,
+    FitRecorder,
+    children,
+    ddp_argument_forced,
+    rebuilt,
+    trains_batchnorm,
+    unwrapped,
+)
+from ..support.one_world import world_of_one
+from ..support.progress import guarded_fit
+from ..support.vacuity import skip_as_vacuous
 
 LABEL = "script_step"
 DROPOUTS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")
@@ -131,7 +139,7 @@ def _first_step_problem(record: FitRecord) -> str:
 
 def _samples(batch: Any) -> int | None:
     """The batch dimension of a batch's first tensor (None when it holds none)."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else None
@@ -156,7 +164,7 @@ def _size_problem(ranks: list[list[Any]]) -> str:
 def concatenated(batches: list[Any]) -> Any:
     """The ranks' micro-batches as one: tensors concatenated along dim 0, containers item by item,
     anything else as long as it is the same on every rank; Unjudged naming what cannot be joined."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     head = batches[0]
     if isinstance(head, torch.Tensor):
@@ -179,7 +187,7 @@ def concatenated(batches: list[Any]) -> Any:
 def _alone(ctx: CheckContext) -> Any:
     """This rank's own process group of one (collective the first time: every rank makes every
     singleton group, as `new_group` requires), so a rerun's DDP averages over this process alone."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     key = f"{id(dist.group.WORLD)}:{ctx.world_size}"
     if key not in _GROUPS:
@@ -233,7 +241,7 @@ class _Rerun:
 
     def _set(self, model: Any, mismatch: list[str]) -> None:
         """The DDP run's first parameters, into the rerun's model at its first training forward."""
-        import torch
+        import torch  # deferred: torch is heavy to import
 
         mine = list(unwrapped(model).parameters())
         if [tuple(p.shape) for p in mine] != [tuple(p.shape) for p in self.start]:
@@ -266,7 +274,7 @@ class _Fed:
     @contextlib.contextmanager
     def patched(self, index: int | None) -> Iterator[None]:
         """DataLoader's `index`th pass of the rerun (the one the DDP run trained from) yields `batches`."""
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader  # deferred: torch is heavy to import
 
         original = DataLoader.__iter__
         calls = [0]
@@ -293,7 +301,7 @@ def without_dropout() -> Iterator[None]:
     both runs alike: the masks depend on the batch's shape, so a run on the global batch could never
     draw the ranks' masks, and what DDP synchronises does not depend on them. Other random numbers
     drawn in the step still make it unjudgeable (`FirstStep.rng_drawn`)."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # deferred: torch is heavy to import
 
     def identity(input: Any, *args: Any, **kwargs: Any) -> Any:
         return input

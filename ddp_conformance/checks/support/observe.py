@@ -33,13 +33,19 @@ so no adapter has to call an observer for progress, hang diagnosis or vacuity ev
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import dataclasses
+import hashlib
+import inspect
 import numbers
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+from unittest import mock
 
+from ...adapter import StepInfo, TrainState
 from .memory import shares_its_base
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
@@ -215,6 +221,7 @@ class FitRecorder:
         self._loader_drew = False  # a DataLoader drew from the RNG since the last RngMark
 
     def __enter__(self) -> FitRecorder:
+        # deferred: torch is heavy to import
         import torch
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.nn.parallel import DistributedDataParallel
@@ -262,7 +269,7 @@ class FitRecorder:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
 
     def _micro_batch(self, model: Any, inputs: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
         record = self.record
         first = record.micro_batches == 0
@@ -361,8 +368,6 @@ class FitRecorder:
                 self._stack.callback(param.register_hook(seen).remove)
 
     def _step_info(self, model: Any, training: list[LoaderPass]) -> Any:
-        from ..adapter import StepInfo
-
         record = self.record
         current = training[-1] if training else None
         position = len(current.batches) - 1 if current is not None and current.batches else record.micro_batches - 1
@@ -448,7 +453,7 @@ class FitRecorder:
     def _watch_batch_sampler(self, batch_sampler: Any) -> None:
         """Record a hand-written batch sampler's batches as a BatchSampler's: its class's `__iter__`
         is wrapped until the fit ends (a built-in iterable, a list of lists, cannot be)."""
-        from torch.utils.data import BatchSampler
+        from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
         owner = type(batch_sampler)
         if batch_sampler is None or isinstance(batch_sampler, BatchSampler) or owner in self._watched:
@@ -500,7 +505,7 @@ class _Yields:
 def cpu_copy(batch: Any) -> Any:
     """`batch` with every tensor a detached CPU copy, its containers rebuilt as they were (mappings,
     named tuples, tuples, lists); anything else as it is."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(batch, torch.Tensor):
         return batch.detach().cpu().clone()
@@ -510,7 +515,6 @@ def cpu_copy(batch: Any) -> Any:
 
 def children(batch: Any) -> list[Any] | None:
     """The items of a container batch (a mapping's values in key order), None for a leaf."""
-    import collections.abc
 
     if isinstance(batch, collections.abc.Mapping):
         return list(batch.values())
@@ -521,7 +525,6 @@ def children(batch: Any) -> list[Any] | None:
 
 def rebuilt(like: Any, items: list[Any]) -> Any:
     """A container of `like`'s kind holding `items` (as `children` listed them)."""
-    import collections.abc
 
     if isinstance(like, collections.abc.Mapping):
         values = dict(zip(like.keys(), items, strict=True))
@@ -571,7 +574,6 @@ def _through(index_map: list[int] | None, index: int) -> int:
 
 def input_digest(value: Any) -> str:
     """A digest of tensors (and the plain values beside them), to tell whether ranks hold the same."""
-    import hashlib
 
     digest = hashlib.sha1()
     _digest_into(digest, value)
@@ -582,7 +584,6 @@ def fed_digest(inputs: Any) -> str | None:
     """A digest of a micro-batch's inputs as the model's forward got them, or None when no tensor or
     array is among them: keyword arguments (`model(input_ids=x)`) never reach a global forward hook,
     and a digest of nothing would make every rank look fed alike."""
-    import hashlib
 
     digest = hashlib.sha1()
     if isinstance(inputs, tuple):  # the forward's arguments: a plain number beside the tensors is the step's
@@ -595,10 +596,8 @@ def _digest_into(digest: Any, item: Any) -> int:
     """Feed `item` into `digest`: tensors and arrays by their bytes, mappings (a tokenizer's
     BatchEncoding too), sequences and dataclasses element by element, plain values by repr. Returns
     how many tensors and arrays it saw."""
-    import collections.abc
-    import dataclasses
 
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(item, torch.Tensor):
         digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
@@ -621,7 +620,7 @@ def _new_pass(loader: Any) -> LoaderPass:
     # the sampler that orders the samples: a batch_sampler's own (DataLoader(batch_sampler=
     # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler), or
     # a batch sampler of its own making, which orders them itself
-    from torch.utils.data import BatchSampler
+    from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None)
@@ -633,7 +632,7 @@ def _new_pass(loader: Any) -> LoaderPass:
     base, index_map = through_subsets(dataset)
     length = _length(loader)
     size = _length(dataset)  # None for an iterable dataset
-    from torch.utils.data import IterableDataset
+    from torch.utils.data import IterableDataset  # deferred: torch is heavy to import
 
     shuffle = getattr(sampler, "shuffle", None)
     replacement = getattr(sampler, "replacement", None)
@@ -657,7 +656,7 @@ def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
     """The dataset a chain of `Subset`s views, and the map from the outer indices to its own (None
     when the loader's dataset is no Subset): a rank that trains on its own Subset shard draws
     indices that mean nothing next to another rank's until they are the underlying dataset's."""
-    from torch.utils.data import Subset
+    from torch.utils.data import Subset  # deferred: torch is heavy to import
 
     index_map: list[int] | None = None
     while isinstance(dataset, Subset):
@@ -670,7 +669,7 @@ def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
 def dropped_tail(batch_sampler: Any) -> int:
     """What `DataLoader(drop_last=True)` leaves out of each epoch of its sampler: the last, incomplete
     batch. A sampler that cannot tell its length drops nothing this can know."""
-    from torch.utils.data import BatchSampler
+    from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
     if not isinstance(batch_sampler, BatchSampler) or not batch_sampler.drop_last:
         return 0
@@ -682,7 +681,7 @@ def dropped_tail(batch_sampler: Any) -> int:
 
 def _shuffles(sampler: Any) -> bool | None:
     """Whether a stock sampler shuffles; None for samplers this cannot know."""
-    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data import RandomSampler, SequentialSampler  # deferred: torch is heavy to import
 
     if isinstance(sampler, RandomSampler):
         return True
@@ -698,8 +697,6 @@ class ObservedState:
 
     @staticmethod
     def of(result: Any, record: FitRecord) -> Any:
-        from ..adapter import TrainState
-
         if isinstance(result, TrainState):
             return result
         if record.model is None:
@@ -712,7 +709,7 @@ class ObservedState:
 
 
 def _cpu(value: Any) -> Any:
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
@@ -728,10 +725,8 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
     """Every `DistributedDataParallel(...)` built meanwhile gets `name=value`, its other arguments as
     the caller gave them (by keyword or by position): a trainer's own DDP, rerun with one setting the
     check needs (a process group of one, a gradient_as_bucket_view flag)."""
-    import inspect
-    from unittest import mock
 
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
@@ -750,7 +745,7 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
 def trains_batchnorm(model: Any) -> bool:
     """Whether the model normalises in training mode by each micro-batch's own statistics (BatchNorm),
     so that no run on another batch can recompute its gradients."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
     return any(isinstance(m, norms) and m.training for m in unwrapped(model).modules())

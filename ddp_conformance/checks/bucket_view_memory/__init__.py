@@ -19,7 +19,7 @@
   same section and says so; a trainer whose model ignores the section and stays too small is
   skipped with the sizes, never passed on a number it cannot resolve.
 - Memory (`memory.py`): two warm-up runs first (the first model a process builds pays one-off
-  allocations: 87.8 vs 64.1 MB in ../shared/notes/ddp-facts.md): the trainer as configured, which
+  allocations: 87.8 vs 64.1 MB in docs/ddp-facts.md): the trainer as configured, which
   tells its setting, and one with the flag on; then three off/on pairs. The saving is the median
   pair's (a stray 128-256 KiB allocation in one run was seen), judged on the worst rank; the spread
   between runs of one setting is reported as `measurement_noise_bytes`.
@@ -36,26 +36,20 @@ from typing import Any
 
 import pytest
 
-from ..adapter import NotProvided
-from ..config import ModelConfig
-from .base import CheckContext, all_gather, hide_on_verdict, human_bytes
-from .memory import StepMemory, heap_counter, measure_step
-from .progress import guarded_fit
+from ...adapter import NotProvided
+from ...config import ModelConfig
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
+from ..support.memory import StepMemory, heap_counter, measure_step
+from ..support.progress import guarded_fit
+from .fit_memory import judge_the_fit
+from .grad_views import MIN_GRAD_BYTES, PAIRS, STEPS, fit_keeps_the_views, gradient_bytes, saving_problem
 
-MIN_GRAD_BYTES = 1 << 20
 MEASURE_MODEL = ModelConfig(input_dim=256, hidden=(512, 512), num_classes=16)
-REQUIRED_SAVING = 0.9
-STEPS = 3  # as in ddp-facts.md: grads are views only after the first step, buckets rebuilt after it
-PAIRS = 3  # (off, on) pairs after the two warm-up runs; the median pair is judged, robust to one stray allocation
 
 
 def _with_flag(config: Any, flag: bool) -> Any:
     strategy = replace(config.trainer.strategy, gradient_as_bucket_view=flag)
     return replace(config, trainer=replace(config.trainer, strategy=strategy))
-
-
-def _grad_bytes(model: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _declared(adapter: Any, fallback: Any) -> bool | None:
@@ -75,7 +69,7 @@ class PlainDDP:
         return getattr(self._adapter, name)
 
     def wrap(self, model: Any) -> Any:
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
@@ -85,11 +79,11 @@ class PlainDDP:
 def _measurable(ctx: CheckContext) -> Any:
     """The run's config, with MEASURE_MODEL when the trainer's model is too small to measure."""
     config = ctx.config
-    size = _grad_bytes(ctx.adapter(config).make_model())
+    size = gradient_bytes(ctx.adapter(config).make_model())
     if size >= MIN_GRAD_BYTES:
         return config
     config = replace(config, model=MEASURE_MODEL)
-    bigger = _grad_bytes(ctx.adapter(config).make_model())
+    bigger = gradient_bytes(ctx.adapter(config).make_model())
     if bigger < MIN_GRAD_BYTES:
         pytest.skip(f"the trainer's model has {human_bytes(size)} of gradients, too small to measure against "
                     f"allocator noise (>= {human_bytes(MIN_GRAD_BYTES)} needed), and it ignores the config's "
@@ -107,8 +101,6 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     except NotProvided as exc:  # a script: only its run builds its model and its DDP
         if exc.what != "make_model":
             raise
-        from .fit_memory import judge_the_fit
-
         return judge_the_fit(ctx, exc)
     if device_type == "cpu" and heap_counter() is None:
         pytest.skip("no heap counter on this platform: measuring CPU memory needs glibc's mallinfo2 (glibc >= 2.33)")
@@ -132,7 +124,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         views = _fit_agrees(ctx, declared, own_run)
     figures = _judge(ctx, mode, declared, own_run, runs)
     if views is not None:  # the step's own layout is sound (judged first: its verdict names more)
-        _fit_keeps_the_views(ctx, *views)
+        fit_keeps_the_views(ctx, *views)
     return figures
 
 
@@ -140,7 +132,7 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
                 own_run: StepMemory) -> tuple[list[bool | None], list[bool | None]] | None:
     """Fail when the DDP the trainer's own fit builds has another gradient_as_bucket_view than the
     DDP its `wrap` builds (measured above): the memory judged would not be the fit's. Returns every
-    rank's fit flag and whether its first step's gradients were views, for `_fit_keeps_the_views`."""
+    rank's fit flag and whether its first step's gradients were views, for `fit_keeps_the_views`."""
     __tracebackhide__ = hide_on_verdict
     if not ctx.shared:  # no directory to watch a fit through
         ctx.note("the DDP the fit builds is not compared with wrap's: the ranks share no directory to watch a fit")
@@ -162,22 +154,6 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
     raise ctx.fail(f"the fit's DistributedDataParallel reports gradient_as_bucket_view={fit_flags} (per rank) but the "
                    f"trainer's wrap() builds it with {bool(own_run.ddp_flag)}: wrap restates a DDP the fit does not "
                    "build, so its memory is not the fit's")
-
-
-def _fit_keeps_the_views(ctx: CheckContext, fit_flags: list[bool | None], views: list[bool | None]) -> None:
-    """With the flag on in the fit's DDP, the gradients its optimizer step applies must still be
-    DDP's bucket views: `p.grad = f(p.grad)` between backward and the step (a hook that sanitises
-    gradients) allocates a second copy of every gradient at every step, which train_step never shows."""
-    __tracebackhide__ = hide_on_verdict
-    ctx.figures["fit_grads_were_views_per_rank"] = views
-    lost = [rank for rank, (flag, view) in enumerate(zip(fit_flags, views, strict=True)) if flag and view is False]
-    if lost:
-        raise ctx.fail(f"the gradients the fit's first optimizer step applies are not DDP's bucket views (rank "
-                       f"{lost[0]}) in the fit, although its DDP has gradient_as_bucket_view=True: something "
-                       "moves p.grad to new storage between backward and the step (p.grad = f(p.grad) or "
-                       "p.grad.data = f(p.grad.data), e.g. torch.nan_to_num in on_before_optimizer_step; change it "
-                       "in place, p.grad.nan_to_num_() or out=p.grad), so every step allocates the gradient copy "
-                       "the flag saves")
 
 
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,
@@ -282,11 +258,4 @@ def layout_problem(step: Any) -> str | None:
         return ("the gradients are not DDP's bucket views after the step although DDP has "
                 "gradient_as_bucket_view=True: something replaces param.grad after backward (a clone?), "
                 f"keeping a second copy ({step.grad_storages} grad storages for {step.buckets} buckets)")
-    return None
-
-
-def saving_problem(saving: float, grad_bytes: int) -> str | None:
-    """The measured saving against the promise: one copy of the gradients, within measurement noise."""
-    if saving < REQUIRED_SAVING * grad_bytes:
-        return f"gradient_as_bucket_view saves less than {int(100 * REQUIRED_SAVING)}% of one gradient copy"
     return None

@@ -49,7 +49,7 @@ class _Done:
         return True
 
     def get_future(self) -> Any:
-        import torch
+        import torch  # deferred: torch is heavy to import
 
         future: Any = torch.futures.Future()
         future.set_result(None)
@@ -154,7 +154,7 @@ def _for_the_trainer(original: Callable[..., Any], one: Callable[..., Any]) -> C
 
 def stand_ins() -> dict[str, Any]:
     """Every name of torch.distributed the world of one replaces, with its replacement."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     replaced: dict[str, Any] = {"get_world_size": lambda group=None: 1, "get_rank": lambda group=None: 0}
     for name, one in COLLECTIVES.items():
@@ -173,7 +173,7 @@ def world_of_one() -> Iterator[None]:
     and WORLD_SIZE/RANK say so too, so a loss scaled by the world size, or by a count summed over
     ranks, is not scaled in the reference it is compared with. (A name bound elsewhere, in a closure or
     a default argument, keeps the real value: docs/checks.md.)"""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch is heavy to import
 
     replaced = stand_ins()
     originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in replaced.items()}

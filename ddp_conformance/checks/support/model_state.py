@@ -8,11 +8,12 @@ batch after DDP's buffer broadcast, so they legitimately differ between ranks.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapter import TrainState
+from ...adapter import TrainState
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -47,7 +48,7 @@ class Difference:
 
 
 def _short(value: Any) -> str:
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(value, torch.Tensor):
         return f"{value.item():.6g}" if value.numel() == 1 else f"tensor{tuple(value.shape)}"
@@ -57,7 +58,7 @@ def _short(value: Any) -> str:
 
 
 def _same(x: Any, y: Any, rtol: float) -> tuple[bool, float | None]:
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         if x.shape != y.shape or x.dtype != y.dtype:
@@ -138,7 +139,7 @@ def drifted(outside: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
 
 def digest(tensors: dict[str, Any]) -> str:
     """A hash of the tensors' names and exact bytes, to compare ranks without moving tensors."""
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     h = hashlib.sha256()
     for name in sorted(tensors):
@@ -159,9 +160,7 @@ def item_digest(item: Any) -> str:
 
 
 def _feed(h: Any, value: Any) -> None:
-    import pickle
-
-    import torch
+    import torch  # deferred: torch is heavy to import
 
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()

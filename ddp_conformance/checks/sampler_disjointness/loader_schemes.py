@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import CheckContext, all_gather, hide_on_verdict
-from .observe import LoaderPass
-from .sampling import replayed_epoch
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from ..support.observe import LoaderPass
+from ..support.sampling import replayed_epoch
 
 
 def judge_with_replacement(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any]:

@@ -38,17 +38,17 @@ from typing import Any, Literal
 
 import pytest
 
-from ..adapter import FitObserver, StepInfo
-from ..runner.parent.process import cpu_seconds
-from ..runner.parent.verdict import ranks_label
-from .base import CheckContext, fmt, hide_on_verdict
+from ...adapter import FitObserver, StepInfo
+from ...runner.parent.process import cpu_seconds
+from ...runner.parent.verdict import ranks_label
+from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
 # of the wall time: a rank is computing when one of its threads ran or waited to run for this much of
 # it. A computing thread is runnable throughout (0.97 measured on a core shared with 3 busy processes;
-# less only by the VM's steal); a blocked one that wakes 100 times a second, as gloo's event loop
+# less only by a virtual machine's CPU steal); a blocked one that wakes 100 times a second, as gloo's event loop
 # does, 0.05-0.16 there, from the waits after its wake-ups. Judged per thread: summed over a process,
 # several such wakers (gloo's, an xdist worker's execnet thread) added up to a "computing" rank.
 BUSY_FRACTION = 0.5
@@ -122,7 +122,7 @@ class ProgressObserver(FitObserver):
         os.replace(tmp, self.path)
 
     def on_wrapped(self, model: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
         self.model = model
         self._moved(state="wrapped", wrapped_type=type(model).__name__,
@@ -376,7 +376,6 @@ def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], labe
     precondition it cannot judge without, so a skip naming sampler_disjointness. None when the
     loader has no length."""
     __tracebackhide__ = hide_on_verdict
-    from .base import all_gather
 
     guarded_fit(ctx, label, 1, fit)
     record = ctx.recordings[label]
