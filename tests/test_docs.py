@@ -85,3 +85,24 @@ def test_every_fixture_the_checks_page_cites_exists():
     known = {path.stem for path in (ROOT / "fixtures").glob("*/*.py")}
     assert cited, "docs/checks.md cites no fixture by name"
     assert cited <= known, f"docs/checks.md cites fixtures that do not exist: {sorted(cited - known)}"
+
+
+def test_the_architecture_doc_shows_the_tree():
+    """docs/architecture.md draws every file of the package, each under its folder, and nothing else."""
+    package = ROOT / "ddp_conformance"
+    tree = re.search(r"```text\n(.*?)```", (ROOT / "docs" / "architecture.md").read_text(), flags=re.S)
+    assert tree is not None
+    shown: set[str] = set()
+    folders: list[str] = []
+    for line in tree.group(1).splitlines()[1:]:
+        match = re.match(r"^((?:│   |    )*)[├└]── (\S+)", line)
+        if match is None:
+            continue
+        depth, name = len(match.group(1)) // 4, match.group(2)
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            shown.add("/".join([*folders, name]))
+    actual = {str(path.relative_to(package)) for pattern in ("*.py", "*.json") for path in package.rglob(pattern)}
+    assert shown == actual

@@ -75,12 +75,14 @@ def _in_functions() -> list[tuple[str, int, bool]]:
     """(file, line, whether a `# deferred` comment on its line or over its block says why) of every
     import inside a function."""
     found = []
-    for module, path in FILES.items():
+    for path in FILES.values():
         lines = path.read_text().splitlines()
         for node, in_function in _statements(path):
             if in_function:
-                around = lines[max(node.lineno - 4, 0):node.end_lineno]
-                said = any("# deferred" in line.lower() for line in around)
+                first = node.lineno - 1
+                while first > 0 and lines[first - 1].strip().startswith(("import ", "from ", "#")):
+                    first -= 1  # up through the block of imports and comments it sits in
+                said = any("# deferred" in line.lower() for line in lines[first:node.end_lineno])
                 found.append((str(path.relative_to(ROOT)), node.lineno, said))
     return found
 

@@ -43,9 +43,10 @@ def _fit_takes_weights_only() -> bool:
 
 #: (where the code asks, the distribution, the release that brought it, the question as the code asks it)
 FEATURES = [
-    ("runner/seeds.py: torch.accelerator (seeds only the CPU generator where there is no accelerator)",
+    ("runner/rank/seeds.py: torch.accelerator (seeds only the CPU generator where there is no accelerator)",
      "torch", "2.6", lambda: getattr(torch, "accelerator", None) is not None),
-    ("fixtures/mutants/lightning_running_norm_no_buffer_sync.py and checks/observe.py: DDP's forward_sync_buffers",
+    ("fixtures/mutants/lightning_running_norm_no_buffer_sync.py and checks/support/observe.py: "
+     "DDP's forward_sync_buffers",
      "torch", "2.13", lambda: "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters),
     ("fixtures/mutants/muon_not_checkpointed.py: torch.optim.Muon (else SGD with momentum)",
      "torch", "2.9", lambda: getattr(torch.optim, "Muon", None) is not None),
@@ -64,7 +65,7 @@ def test_a_feature_asked_for_is_there_exactly_from_its_release(where: str, distr
 
 
 def test_ddp_reports_the_settings_the_checks_read() -> None:
-    """checks/observe.py reads these attributes off the DDP the fit built, where a missing one reads as
+    """checks/support/observe.py reads these attributes off the DDP the fit built, where a missing one reads as
     None; torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` and kept the old name as a
     property, so the old name must still answer on every release."""
     from ddp_conformance.checks.support.observe import DDP_SETTINGS
@@ -77,8 +78,8 @@ def test_ddp_reports_the_settings_the_checks_read() -> None:
 
 @pytest.mark.ddp(world_size=2)
 def test_the_private_torch_apis_the_harness_reads_answer(ddp) -> None:
-    """runtime.py's health check reads the collective sequence number (a failure there is suppressed:
-    the pool would lose its out-of-step test), launched.py the default store, checks/memory.py DDP's
+    """runner/rank/task_runner.py's health check reads the collective sequence number (a failure there is suppressed:
+    the pool would lose its out-of-step test), launched.py the default store, checks/support/memory.py DDP's
     logging data and a gradient's view base."""
     import torch.distributed as dist
 

@@ -47,7 +47,7 @@ LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`, its own 
 `sys.path`. Its `init_process_group` joins the harness's group (the call is answered by the group
 that already exists) and its `destroy_process_group` leaves it standing for the next check;
 `sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
-harness's hooks (`checks/observe.py`), so every check judges the real run: data_consistency the
+harness's hooks (`checks/support/observe.py`), so every check judges the real run: data_consistency the
 dataset its training loader iterated, gradient_equivalence its first step against the same script
 rerun in a world of one (`checks/gradient_equivalence/script_step.py`), bucket_view_memory its own DDP and its gradients
 at the optimizer step; what a script lacks for one of them is a skip naming it.

@@ -122,7 +122,7 @@ def _terminal_reporter() -> type:
     """`pytest.TerminalReporter` (public since pytest 8.1); pytest 8.0 has it only in `_pytest.terminal`."""
     if hasattr(pytest, "TerminalReporter"):
         return pytest.TerminalReporter
-    from _pytest.terminal import TerminalReporter  # only pytest 8.0 lacks the public name
+    from _pytest.terminal import TerminalReporter  # deferred: only pytest 8.0 lacks the public name
 
 
     return TerminalReporter
