@@ -218,7 +218,8 @@ def unwritable_reason(path: Path) -> str | None:
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
     """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
     any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
-    from .trainers.spec import SpecError, message_prefix, resolve_spec  # deferred: brings torch
+    # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
+    from .trainers.spec import SpecError, message_prefix, resolve_spec
 
     for spec in settings.trainers:
         try:

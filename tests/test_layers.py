@@ -1,13 +1,16 @@
 """The package's layering, read from its source (module-level, TYPE_CHECKING and in-function imports
 alike): no import goes round in a circle anywhere in the package; the runner imports nothing above it;
-its parent and rank sides import nothing of each other (they share `wire.py` and `frames.py`); and an
+its parent and rank sides import nothing of each other (they share `wire.py` and `frames.py`); the
+pytest process loads no torch for the plugin, the suite and the report; and an
 import inside a function is there only to defer a heavy one, which a `# deferred: ...` comment says.
 
-`python tests/test_layers.py` prints the counts the architecture page quotes."""
+`python tests/test_layers.py` prints the counts: modules, modules in import circles, imports in functions."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +109,15 @@ def test_the_parent_and_rank_sides_import_nothing_of_each_other() -> None:
 
 def test_an_import_in_a_function_says_why_it_is_deferred() -> None:
     assert [f"{file}:{line}" for file, line, said in _in_functions() if not said] == []
+
+
+def test_the_pytest_process_imports_no_torch_for_the_plugin_the_suite_and_the_report() -> None:
+    """What pytest loads for every session stays light: torch is imported by the ranks, and by the
+    rank-only modules at their top (a check, the fit recorder), never through these."""
+    code = ("import sys, ddp_conformance.plugin, ddp_conformance.suite.test_conformance, ddp_conformance.report, "
+            "ddp_conformance.builds; print(sorted(m for m in ('torch', 'numpy', 'lightning') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
 
 
 if __name__ == "__main__":

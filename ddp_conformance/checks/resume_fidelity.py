@@ -61,7 +61,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
+import torch
 
 from ..adapter import FitObserver, NotProvided, StepInfo, TrainState
 from ..runner.parent.verdict import ranks_label
@@ -103,9 +105,6 @@ def _newest_file(directory: Path) -> str | None:
 
 
 def _disturb_rng(rank: int) -> None:
-    import numpy as np  # deferred: numpy is heavy to import
-    import torch  # deferred: torch is heavy to import
-
     seed = 9_000 + 101 * rank
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -113,17 +112,11 @@ def _disturb_rng(rank: int) -> None:
 
 
 def _capture_rng() -> tuple[Any, ...]:
-    import numpy as np  # deferred: numpy is heavy to import
-    import torch  # deferred: torch is heavy to import
-
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
 
 
 def _restore_rng(state: tuple[Any, ...]) -> None:
-    import numpy as np  # deferred: numpy is heavy to import
-    import torch  # deferred: torch is heavy to import
-
     torch.set_rng_state(state[0])
     np.random.set_state(state[1])
     random.setstate(state[2])
@@ -745,14 +738,11 @@ def lightning_checkpoint(checkpoint: Path) -> LightningCheckpoint | None:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    import torch  # deferred: torch is heavy to import
-
     return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
 
 
 def _module_keys(checkpoint: Path) -> str:
     """An example of a `module.`-prefixed key in the checkpoint file, if it holds any."""
-    import torch  # deferred: torch is heavy to import
 
     try:
         payload = torch.load(checkpoint, map_location="cpu", weights_only=True)

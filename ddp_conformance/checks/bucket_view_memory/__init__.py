@@ -35,6 +35,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from torch.nn.parallel import DistributedDataParallel
 
 from ...adapter import NotProvided
 from ...config import ModelConfig
@@ -69,8 +70,6 @@ class PlainDDP:
         return getattr(self._adapter, name)
 
     def wrap(self, model: Any) -> Any:
-        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
-
         device = next(model.parameters()).device
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=self.flag, **self.kwargs)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...adapter import NotProvided
 from ...trainers.spec import SCRIPT
@@ -130,8 +132,6 @@ def _saving(ctx: CheckContext, grad_bytes: int) -> tuple[str | None, str]:
 
 def _counter(device_type: str) -> Callable[[], int] | None:
     if device_type == "cuda":
-        import torch  # deferred: torch is heavy to import
-
         return torch.cuda.memory_allocated
     return heap_counter()
 
@@ -139,7 +139,6 @@ def _counter(device_type: str) -> Callable[[], int] | None:
 def _held_at_last_step(ctx: CheckContext, read: Callable[[], int], flag: bool, run: int) -> int:
     """What is in use at the pre-hook of the fit's last optimizer step, relative to just before the
     fit, with the flag of every DistributedDataParallel the fit builds forced to `flag`."""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook  # deferred: torch is heavy to import
 
     seen: dict[str, Any] = {"steps": 0}
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 
 from ...adapter import NotProvided
 from ...runner.parent.verdict import ranks_label
@@ -155,7 +156,6 @@ def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: flo
     when the trainer's loss in the real world is the world-of-one loss / world size, "summed" when the
     whole batch's loss is the sum of the shards' losses, "mean" when it is their mean (then the loss
     is not to blame: something after backward divides the gradients), "" when none fits."""
-    import torch  # deferred: torch is heavy to import
 
     close = 1e-4 * abs(single_loss)
     with torch.no_grad():
@@ -175,7 +175,6 @@ def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: flo
 def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: Any, figures: dict[str, Any]) -> None:
     """EXTRA_STEPS more: the trainer's train_step on fresh shards, the same plain SGD update
     everywhere; the ranks' parameters must stay identical."""
-    import torch  # deferred: torch is heavy to import
 
     wrapped.train()
     with ctx.training(EXTRA_STEPS):

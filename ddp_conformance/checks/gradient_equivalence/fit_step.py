@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from ...adapter import NotProvided
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from ..support.gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
@@ -126,7 +128,6 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:
     """The single-process gradient of `items` from `params`, by name; None if the shapes differ."""
-    import torch  # deferred: torch is heavy to import
 
     with world_of_one():
         model = single.make_model().train()

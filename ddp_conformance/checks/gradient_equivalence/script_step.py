@@ -34,6 +34,10 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from ...adapter import NotProvided
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
@@ -139,7 +143,6 @@ def _first_step_problem(record: FitRecord) -> str:
 
 def _samples(batch: Any) -> int | None:
     """The batch dimension of a batch's first tensor (None when it holds none)."""
-    import torch  # deferred: torch is heavy to import
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else None
@@ -164,7 +167,6 @@ def _size_problem(ranks: list[list[Any]]) -> str:
 def concatenated(batches: list[Any]) -> Any:
     """The ranks' micro-batches as one: tensors concatenated along dim 0, containers item by item,
     anything else as long as it is the same on every rank; Unjudged naming what cannot be joined."""
-    import torch  # deferred: torch is heavy to import
 
     head = batches[0]
     if isinstance(head, torch.Tensor):
@@ -187,7 +189,6 @@ def concatenated(batches: list[Any]) -> Any:
 def _alone(ctx: CheckContext) -> Any:
     """This rank's own process group of one (collective the first time: every rank makes every
     singleton group, as `new_group` requires), so a rerun's DDP averages over this process alone."""
-    import torch.distributed as dist  # deferred: torch is heavy to import
 
     key = f"{id(dist.group.WORLD)}:{ctx.world_size}"
     if key not in _GROUPS:
@@ -241,7 +242,6 @@ class _Rerun:
 
     def _set(self, model: Any, mismatch: list[str]) -> None:
         """The DDP run's first parameters, into the rerun's model at its first training forward."""
-        import torch  # deferred: torch is heavy to import
 
         mine = list(unwrapped(model).parameters())
         if [tuple(p.shape) for p in mine] != [tuple(p.shape) for p in self.start]:
@@ -274,7 +274,6 @@ class _Fed:
     @contextlib.contextmanager
     def patched(self, index: int | None) -> Iterator[None]:
         """DataLoader's `index`th pass of the rerun (the one the DDP run trained from) yields `batches`."""
-        from torch.utils.data import DataLoader  # deferred: torch is heavy to import
 
         original = DataLoader.__iter__
         calls = [0]
@@ -301,7 +300,6 @@ def without_dropout() -> Iterator[None]:
     both runs alike: the masks depend on the batch's shape, so a run on the global batch could never
     draw the ranks' masks, and what DDP synchronises does not depend on them. Other random numbers
     drawn in the step still make it unjudgeable (`FirstStep.rng_drawn`)."""
-    import torch.nn.functional as F  # deferred: torch is heavy to import
 
     def identity(input: Any, *args: Any, **kwargs: Any) -> Any:
         return input

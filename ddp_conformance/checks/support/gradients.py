@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from .check_context import CheckContext, fmt
 from .observe import unwrapped
 from .one_world import world_of_one
@@ -85,7 +87,6 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     """`b` clamped to +-c, c the largest |a| (well above the tolerance), some element beyond it, and
     every parameter within its own tolerance of its clamped reference: the unclamped elements are
     judged as any gradient is."""
-    import torch  # deferred: torch is heavy to import
 
     pairs = [(a[n], g) for n, g in b.items() if g is not None and a.get(n) is not None and g.numel()]
     if not pairs:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -109,7 +111,6 @@ def measure_step(adapter: Any, batch: Any, flag: bool, steps: int, device_type: 
     """Build the adapter's model, wrap it the trainer's way, run `steps` of its train_step, and
     read what that holds. Gradients are not zeroed between steps (they accumulate in place), so
     from the second step on each setting keeps its steady-state layout."""
-    import torch  # deferred: torch is heavy to import
 
     gc.collect()
     if device_type == "cuda":

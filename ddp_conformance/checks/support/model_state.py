@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...adapter import TrainState
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
@@ -48,8 +50,6 @@ class Difference:
 
 
 def _short(value: Any) -> str:
-    import torch  # deferred: torch is heavy to import
-
     if isinstance(value, torch.Tensor):
         return f"{value.item():.6g}" if value.numel() == 1 else f"tensor{tuple(value.shape)}"
     if isinstance(value, float):
@@ -58,8 +58,6 @@ def _short(value: Any) -> str:
 
 
 def _same(x: Any, y: Any, rtol: float) -> tuple[bool, float | None]:
-    import torch  # deferred: torch is heavy to import
-
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False, None
@@ -139,7 +137,6 @@ def drifted(outside: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
 
 def digest(tensors: dict[str, Any]) -> str:
     """A hash of the tensors' names and exact bytes, to compare ranks without moving tensors."""
-    import torch  # deferred: torch is heavy to import
 
     h = hashlib.sha256()
     for name in sorted(tensors):
@@ -160,8 +157,6 @@ def item_digest(item: Any) -> str:
 
 
 def _feed(h: Any, value: Any) -> None:
-    import torch  # deferred: torch is heavy to import
-
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())

@@ -45,6 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from unittest import mock
 
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, Subset
+
 from ...adapter import StepInfo, TrainState
 from .memory import shares_its_base
 
@@ -221,13 +227,6 @@ class FitRecorder:
         self._loader_drew = False  # a DataLoader drew from the RNG since the last RngMark
 
     def __enter__(self) -> FitRecorder:
-        # deferred: torch is heavy to import
-        import torch
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        from torch.nn.parallel import DistributedDataParallel
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        from torch.utils.data import BatchSampler, DataLoader
-
         if not FitRecorder._lock.acquire(blocking=False):
             raise RuntimeError("a FitRecorder is already recording in this process")
         self._stack.callback(FitRecorder._lock.release)
@@ -269,8 +268,6 @@ class FitRecorder:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
 
     def _micro_batch(self, model: Any, inputs: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
-
         record = self.record
         first = record.micro_batches == 0
         if first and self._on_first_micro_batch is not None:
@@ -453,7 +450,6 @@ class FitRecorder:
     def _watch_batch_sampler(self, batch_sampler: Any) -> None:
         """Record a hand-written batch sampler's batches as a BatchSampler's: its class's `__iter__`
         is wrapped until the fit ends (a built-in iterable, a list of lists, cannot be)."""
-        from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
         owner = type(batch_sampler)
         if batch_sampler is None or isinstance(batch_sampler, BatchSampler) or owner in self._watched:
@@ -505,7 +501,6 @@ class _Yields:
 def cpu_copy(batch: Any) -> Any:
     """`batch` with every tensor a detached CPU copy, its containers rebuilt as they were (mappings,
     named tuples, tuples, lists); anything else as it is."""
-    import torch  # deferred: torch is heavy to import
 
     if isinstance(batch, torch.Tensor):
         return batch.detach().cpu().clone()
@@ -597,8 +592,6 @@ def _digest_into(digest: Any, item: Any) -> int:
     BatchEncoding too), sequences and dataclasses element by element, plain values by repr. Returns
     how many tensors and arrays it saw."""
 
-    import torch  # deferred: torch is heavy to import
-
     if isinstance(item, torch.Tensor):
         digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return 1
@@ -620,7 +613,6 @@ def _new_pass(loader: Any) -> LoaderPass:
     # the sampler that orders the samples: a batch_sampler's own (DataLoader(batch_sampler=
     # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler), or
     # a batch sampler of its own making, which orders them itself
-    from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None)
@@ -632,7 +624,6 @@ def _new_pass(loader: Any) -> LoaderPass:
     base, index_map = through_subsets(dataset)
     length = _length(loader)
     size = _length(dataset)  # None for an iterable dataset
-    from torch.utils.data import IterableDataset  # deferred: torch is heavy to import
 
     shuffle = getattr(sampler, "shuffle", None)
     replacement = getattr(sampler, "replacement", None)
@@ -656,7 +647,6 @@ def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
     """The dataset a chain of `Subset`s views, and the map from the outer indices to its own (None
     when the loader's dataset is no Subset): a rank that trains on its own Subset shard draws
     indices that mean nothing next to another rank's until they are the underlying dataset's."""
-    from torch.utils.data import Subset  # deferred: torch is heavy to import
 
     index_map: list[int] | None = None
     while isinstance(dataset, Subset):
@@ -669,7 +659,6 @@ def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
 def dropped_tail(batch_sampler: Any) -> int:
     """What `DataLoader(drop_last=True)` leaves out of each epoch of its sampler: the last, incomplete
     batch. A sampler that cannot tell its length drops nothing this can know."""
-    from torch.utils.data import BatchSampler  # deferred: torch is heavy to import
 
     if not isinstance(batch_sampler, BatchSampler) or not batch_sampler.drop_last:
         return 0
@@ -681,7 +670,6 @@ def dropped_tail(batch_sampler: Any) -> int:
 
 def _shuffles(sampler: Any) -> bool | None:
     """Whether a stock sampler shuffles; None for samplers this cannot know."""
-    from torch.utils.data import RandomSampler, SequentialSampler  # deferred: torch is heavy to import
 
     if isinstance(sampler, RandomSampler):
         return True
@@ -709,8 +697,6 @@ class ObservedState:
 
 
 def _cpu(value: Any) -> Any:
-    import torch  # deferred: torch is heavy to import
-
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
     if isinstance(value, dict):
@@ -725,8 +711,6 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
     """Every `DistributedDataParallel(...)` built meanwhile gets `name=value`, its other arguments as
     the caller gave them (by keyword or by position): a trainer's own DDP, rerun with one setting the
     check needs (a process group of one, a gradient_as_bucket_view flag)."""
-
-    from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
 
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
@@ -745,7 +729,6 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
 def trains_batchnorm(model: Any) -> bool:
     """Whether the model normalises in training mode by each micro-batch's own statistics (BatchNorm),
     so that no run on another batch can recompute its gradients."""
-    import torch  # deferred: torch is heavy to import
 
     norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
     return any(isinstance(m, norms) and m.training for m in unwrapped(model).modules())

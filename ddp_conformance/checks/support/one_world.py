@@ -29,6 +29,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
+import torch
+import torch.distributed as dist
+
 # packages whose own bindings of torch.distributed names stay real: torch's DDP and collectives, Lightning
 # (it calls them as attributes, `torch.distributed.all_reduce`, which are patched) and the harness itself
 _LIBRARIES = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ddp_conformance"})
@@ -49,8 +52,6 @@ class _Done:
         return True
 
     def get_future(self) -> Any:
-        import torch  # deferred: torch is heavy to import
-
         future: Any = torch.futures.Future()
         future.set_result(None)
         return future
@@ -154,7 +155,6 @@ def _for_the_trainer(original: Callable[..., Any], one: Callable[..., Any]) -> C
 
 def stand_ins() -> dict[str, Any]:
     """Every name of torch.distributed the world of one replaces, with its replacement."""
-    import torch.distributed as dist  # deferred: torch is heavy to import
 
     replaced: dict[str, Any] = {"get_world_size": lambda group=None: 1, "get_rank": lambda group=None: 0}
     for name, one in COLLECTIVES.items():
@@ -173,7 +173,6 @@ def world_of_one() -> Iterator[None]:
     and WORLD_SIZE/RANK say so too, so a loss scaled by the world size, or by a count summed over
     ranks, is not scaled in the reference it is compared with. (A name bound elsewhere, in a closure or
     a default argument, keeps the real value: docs/checks.md.)"""
-    import torch.distributed as dist  # deferred: torch is heavy to import
 
     replaced = stand_ins()
     originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in replaced.items()}

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from torch.nn.parallel import DistributedDataParallel
 
 from ...adapter import FitObserver, StepInfo
 from ...runner.parent.process import cpu_seconds
@@ -122,8 +123,6 @@ class ProgressObserver(FitObserver):
         os.replace(tmp, self.path)
 
     def on_wrapped(self, model: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel  # deferred: torch is heavy to import
-
         self.model = model
         self._moved(state="wrapped", wrapped_type=type(model).__name__,
                     is_ddp=isinstance(model, DistributedDataParallel))
