@@ -46,8 +46,8 @@ from ..support.vacuity import skip_as_vacuous
 from .fit_step import judge_fit_step
 from .script_step import judge_script_step
 
-# only measured precisions: fp32 (max relative delta 1.1e-7 measured, see README) and bf16-mixed (3.8e-3
-# measured on advanced.yaml; 1.6e-2 suggested by the facts file). 16-mixed on CPU runs as bf16-mixed
+# only measured precisions: fp32 (max relative delta 1.1e-7 measured) and bf16-mixed (3.8e-3 measured on
+# advanced.yaml; docs/ddp-facts.md has the figures and their sources). 16-mixed on CPU runs as bf16-mixed
 # (Lightning and reconcile() say so); on CUDA it has no measured figure here yet, so the check skips.
 RTOL = {"32-true": 1e-5, "bf16-mixed": 2e-2}
 EXTRA_STEPS = 3
