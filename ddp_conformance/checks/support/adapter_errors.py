@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from ...adapter import NotProvided, adapter_name
+from ...adapter import NotProvided, TrainerBuildError, adapter_name
 
 
 class AdapterError(Exception):
@@ -37,8 +37,8 @@ class CallNamingAdapter:
         def call(*args: Any, **kwargs: Any) -> Any:
             try:
                 return value(*args, **kwargs)
-            except (NotProvided, AdapterError):
-                raise
+            except (NotProvided, AdapterError, TrainerBuildError):
+                raise  # already the harness's own words about this trainer
             except Exception as exc:
                 if type(exc).__module__.startswith(("_pytest", "pytest", "ddp_conformance.checks")):
                     raise  # skips, fails and check verdicts are not the adapter's errors
