@@ -200,20 +200,11 @@ class TrainerSpec:
     @classmethod
     def parse(cls, text: str, base: str | Path, label: str = "") -> TrainerSpec:
         """`text` read once; one SpecError line when it has none of the shapes (nothing is imported here)."""
-        spec = text.strip()
-        if spec in BUILTINS:
-            kind = BUILTIN
-        elif spec.startswith(LIGHTNING_PREFIX):
-            kind = LIGHTNING
-        elif spec.startswith(SCRIPT_PREFIX):
-            kind = SCRIPT
-        else:
-            target, sep, attr = spec.rpartition(":")
-            if not sep or not target or not attr:
-                raise SpecError(_message(spec, "expected a built-in name (" + ", ".join(BUILTINS) + "), "
-                                         "package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
-            kind = ATTRIBUTE
-        return cls(text=text, base=str(base), kind=kind, label=label or trainer_label(text))
+        kind = _kind(text)
+        if kind is None:
+            raise SpecError(_message(text.strip(), "expected a built-in name (" + ", ".join(BUILTINS) + "), "
+                                     "package.module:Attr, path/to/file.py:Attr or lightning:pkg.module:LitModule"))
+        return cls(text=text, base=str(base), kind=kind, label=label or _label(kind, text.strip()))
 
     def resolve(self) -> Factory:
         """A zero-argument callable that builds a fresh adapter: imports what the SPEC names, in this
@@ -238,18 +229,35 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
     return TrainerSpec.parse(spec, rootdir).resolve()
 
 
+def _kind(text: str) -> str | None:
+    """Which of the SPEC shapes `text` has: the one place a SPEC's shape is read."""
+    spec = text.strip()
+    if spec in BUILTINS:
+        return BUILTIN
+    if spec.startswith(LIGHTNING_PREFIX):
+        return LIGHTNING
+    if spec.startswith(SCRIPT_PREFIX):
+        return SCRIPT
+    target, sep, attr = spec.rpartition(":")
+    return ATTRIBUTE if sep and target and attr else None
+
+
 def trainer_label(spec: str) -> str:
     """A short, readable name for a SPEC in test ids and the report: built-ins as is, a file SPEC
     by its file stem (plus the attribute when it is not `Trainer`), a module SPEC by its last part,
     a `lightning:` SPEC by the names of its parts (`LitModel+LitData`), a `script:` SPEC by its script."""
-    if spec.startswith(LIGHTNING_PREFIX):  # lightning:pkg.model:LitModel+pkg.data:LitData -> LitModel+LitData
+    return _label(_kind(spec), spec.strip())
+
+
+def _label(kind: str | None, spec: str) -> str:
+    if kind == LIGHTNING:  # lightning:pkg.model:LitModel+pkg.data:LitData -> LitModel+LitData
         return "+".join(part.rpartition(":")[2].strip() for part in spec[len(LIGHTNING_PREFIX):].split("+"))
-    if spec.startswith(SCRIPT_PREFIX):  # script:path/train.py --flags ... -> train.py
+    if kind == SCRIPT:  # script:path/train.py --flags ... -> train.py
         words = spec[len(SCRIPT_PREFIX):].split()
         return PurePath(words[0]).name if words else spec
-    target, sep, attr = spec.rpartition(":")
-    if not sep:
+    if kind != ATTRIBUTE:
         return spec
+    target, _, attr = spec.rpartition(":")
     stem = PurePath(target).stem if _is_file_spec(target) else target.rsplit(".", 1)[-1]
     return stem if attr == "Trainer" else f"{stem}.{attr}"
 
