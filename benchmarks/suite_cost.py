@@ -15,9 +15,12 @@ For each trainer and world size, one after the other, in a fresh working directo
 It prints the headline ratio suite/plain per row against the target (<= 2.0x), and where the
 suite's time goes, from the report's figures (rank 0's): each check's `check_seconds`, its share of
 the time spent in checks and the steps it observed (`observed_steps`), and the session's time outside
-the checks (in pytest minus the summed check seconds). The plain fit's wall is split into start-up
+the checks (in pytest minus the summed check seconds), and the start of every verdict that is not a
+pass (a cheaper suite must keep each one). The plain fit's wall is split into start-up
 (interpreter, imports, rendezvous, teardown) and the fit itself (`fit_seconds`, timed around the
-trainer's fit call on rank 0).
+trainer's fit call on rank 0). A check that skipped reports no `check_seconds`; its test's call time
+(pytest's `--durations`) stands in, marked *. The last table splits the suite's wall outside the
+checks by where pytest spent it (`session_table`).
 
 Trainers (default all three): the references `torch` and `lightning`, and Lightning's own demo
 `lightning:lightning.pytorch.demos.transformer:LightningTransformer` (58 MB of gradients, no glue),
@@ -45,6 +48,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +61,7 @@ TARGET_RATIO = 2.0
 PLAIN_FIT = Path(__file__).resolve().with_name("plain_fit.py")
 DEMO_LINES, DEMO_WORDS = 42, 34  # 42 x (34 words + <eos>) = 1470 tokens: 1470 // 35 - 1 = 41 samples
 INTERRUPT_GRACE_S = 30.0  # after SIGINT, for pytest to stop its rank pools before the group is killed
+VERDICT_CHARS = 200
 PYTEST_TIME = re.compile(r" in ([0-9.]+)s\b")
 DURATION = re.compile(r"^([0-9.]+)s (setup|call|teardown)\s+\S*::test_conformance\[(.+)\]$")
 
@@ -266,6 +271,13 @@ def checks_table(rows: list[Row]) -> list[str]:
     return out
 
 
+def verdicts(rows: list[Row]) -> list[str]:
+    """Every check that did not pass, with its message's start: a cheaper suite must keep them all."""
+    return [f"- {row.name} at world size {row.world_size}, {r['check']} {r['outcome']}: "
+            f"{textwrap.shorten(r['message'], VERDICT_CHARS, placeholder='...')}"
+            for row in rows for r in row.results if r["outcome"] != "passed"]
+
+
 def session_table(rows: list[Row]) -> list[str]:
     """Where a suite run's wall goes outside the checks: before pytest's session clock starts
     (interpreter, plugins), in the session outside any test (collection, session start and finish),
@@ -317,7 +329,8 @@ def main() -> int:
     print("\n".join(summary_table(rows)), end="\n\n")
     print("\n".join(checks_table(rows)))
     print("\n\\* no `check_seconds` in the report (a skipped check reports none): its test's call time\n")
-    print("\n".join(session_table(rows)))
+    print("\n".join(session_table(rows)), end="\n\n")
+    print("\n".join(["checks that did not pass:", *verdicts(rows)]))
     for row in rows:
         for problem in row.problems:
             print(f"\n{row.name} at world size {row.world_size}: {problem}", file=sys.stderr)
