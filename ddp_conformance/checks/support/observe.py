@@ -715,7 +715,8 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
     original = DistributedDataParallel.__init__
     signature = inspect.signature(original)
     if name not in signature.parameters:
-        raise AssertionError(f"DistributedDataParallel.__init__ takes no {name}: update ddp_conformance.checks.support.observe")
+        raise AssertionError(f"DistributedDataParallel.__init__ takes no {name}: "
+                             "update ddp_conformance.checks.support.observe")
 
     def __init__(*args: Any, **kwargs: Any) -> None:
         bound = signature.bind(*args, **kwargs)
