@@ -78,13 +78,26 @@ def _global_batch(ctx: CheckContext, adapter: Any) -> GlobalBatch:
     per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
     need = per_rank * ctx.world_size * (1 + EXTRA_STEPS)
     dataset = adapter.make_dataset(max(need, config.data.size))
-    items = [dataset[i] for i in range(need)]
+    size = _sized(dataset)
+    if size is not None and size < need:  # a dataset of its own size (a DataModule's) may hold fewer
+        ctx.note(f"the dataset holds {size} items, fewer than the {need} the check's steps read: it reads "
+                 "them again from the start (any global batch has a single-process gradient)")
+    items = [dataset[i % size if size else i] for i in range(need)]
     batches = all_gather(item_digest(items))
     if len(set(batches)) > 1:
         rank = next(r for r, d in enumerate(batches) if d != batches[0])
         pytest.skip(f"the ranks' datasets differ (rank {rank}'s first {need} items are not rank 0's; see "
                     "data_consistency): there is no one global batch whose gradient DDP's could be compared with")
     return GlobalBatch(adapter, items, ctx.world_size, per_rank)
+
+
+def _sized(dataset: Any) -> int | None:
+    """The dataset's length; None without one. Reading past it cannot be left to IndexError: some
+    datasets (Lightning's WikiText2 demo) return empty items there instead of raising."""
+    try:
+        return len(dataset) or None
+    except TypeError:
+        return None
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
