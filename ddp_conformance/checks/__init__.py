@@ -104,6 +104,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     module = importlib.import_module(f"{__name__}.{check_id}")
     figures: dict[str, Any] = {}
     ddp.figures[RESULT_FIGURE] = CheckResult("", figures=figures).as_figure()  # the figures so far, if it errs
+    ctx: CheckContext | None = None
     try:
         with named(options.trainer.label):
             ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
@@ -111,10 +112,10 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)
-    except NotProvided as exc:
-        result = CheckResult(SKIPPED, str(exc), figures)
-    except pytest.skip.Exception as exc:
-        result = CheckResult(SKIPPED, exc.msg, figures)
+    except (NotProvided, pytest.skip.Exception) as exc:
+        # a skip keeps what the check spent and observed before it: its time is the suite's cost too
+        reason = exc.msg if isinstance(exc, pytest.skip.Exception) else str(exc)
+        result = CheckResult(SKIPPED, reason, ctx.finish({}) if ctx is not None else figures)
     ddp.figures[RESULT_FIGURE] = result.as_figure()
     return result
 

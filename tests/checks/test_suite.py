@@ -164,6 +164,7 @@ def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(
     assert result["outcome"] == "skipped" and figures["saved_pct_of_grad_bytes"] >= 90, result
     assert f"{figures['saved_pct_of_grad_bytes']}% of one gradient copy" in result["message"]
     assert any("DistributedDataParallel(model, gradient_as_bucket_view=..." in note for note in figures["notes"])
+    assert figures["check_seconds"] >= figures["trainer_seconds"] > 0, figures  # a skip's cost is reported too
 
 
 def test_a_script_s_saving_is_measured_in_its_own_fit_and_its_loaders_dataset_is_read(session: dict[str, Any]) -> None:
