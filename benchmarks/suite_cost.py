@@ -18,8 +18,8 @@ the time spent in checks and the steps it observed (`observed_steps`), and the s
 the checks (in pytest minus the summed check seconds), and the start of every verdict that is not a
 pass (a cheaper suite must keep each one). The plain fit's wall is split into start-up
 (interpreter, imports, rendezvous, teardown) and the fit itself (`fit_seconds`, timed around the
-trainer's fit call on rank 0). A check that skipped reports no `check_seconds`; its test's call time
-(pytest's `--durations`) stands in, marked *. The last table splits the suite's wall outside the
+trainer's fit call on rank 0). A check that ended in an error of its own reports no `check_seconds`;
+its test's call time (pytest's `--durations`) stands in, marked *. The last table splits the suite's wall outside the
 checks by where pytest spent it (`session_table`).
 
 Trainers (default all three): the references `torch` and `lightning`, and Lightning's own demo
@@ -328,7 +328,8 @@ def main() -> int:
     print(f"machine: {machine()}; began {began}; target: suite/plain <= {TARGET_RATIO:.1f}x\n")
     print("\n".join(summary_table(rows)), end="\n\n")
     print("\n".join(checks_table(rows)))
-    print("\n\\* no `check_seconds` in the report (a skipped check reports none): its test's call time\n")
+    print("\n\\* no `check_seconds` in the report (a check that ended in an error reports none): "
+          "its test's call time\n")
     print("\n".join(session_table(rows)), end="\n\n")
     print("\n".join(["checks that did not pass:", *verdicts(rows)]))
     for row in rows:
