@@ -11,11 +11,15 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from .config import ConfigError, load_config
+from .config import ConfigError, RunConfig, load_config
 from .runner.controller import RunnerSettings
+
+if TYPE_CHECKING:
+    from .trainers.spec import TrainerSpec
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_WORLD_SIZE = 2
@@ -50,6 +54,29 @@ def settings_of(config: pytest.Config) -> Settings:
     """The session's validated options (world size, trainer SPECs, config path...), read once in
     `pytest_configure`."""
     return config.stash[SETTINGS_KEY]
+
+
+TRAINERS_KEY = pytest.StashKey["tuple[TrainerSpec, ...]"]()
+RUN_CONFIG_KEY = pytest.StashKey[RunConfig]()
+
+
+def session_trainers(config: pytest.Config) -> tuple[TrainerSpec, ...]:
+    """The session's SPECs, each parsed once with its session label: what the validation resolves,
+    and what the suite is parametrized by and sends to the ranks."""
+    if TRAINERS_KEY not in config.stash:
+        # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
+        from .trainers.spec import session_trainers as parse_all
+
+        settings = settings_of(config)
+        config.stash[TRAINERS_KEY] = parse_all(settings.trainers, settings.spec_base)
+    return config.stash[TRAINERS_KEY]
+
+
+def run_config(config: pytest.Config) -> RunConfig:
+    """`--ddp-config`, read once for the session (defaults without one)."""
+    if RUN_CONFIG_KEY not in config.stash:
+        config.stash[RUN_CONFIG_KEY] = load_config(settings_of(config).config_path)
+    return config.stash[RUN_CONFIG_KEY]
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -219,17 +246,19 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> N
     """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
     any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
     # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
-    from .trainers.spec import SpecError, message_prefix, resolve_spec
+    from .trainers.spec import SpecError, message_prefix
 
-    for spec in settings.trainers:
-        try:
-            resolve_spec(spec, Path(settings.spec_base))
-        except SpecError as exc:
-            reason = str(exc).removeprefix(message_prefix(spec))
-            raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {spec!r}: {reason}") from None
+    try:
+        for spec in session_trainers(config):
+            spec.resolve()
+    except SpecError as exc:
+        # the SPEC it names: every SpecError message starts with its SPEC's prefix
+        text = next(t for t in settings.trainers if str(exc).startswith(message_prefix(t.strip())))
+        reason = str(exc).removeprefix(message_prefix(text.strip()))
+        raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {text!r}: {reason}") from None
     if settings.config_path is not None:
         try:
-            load_config(settings.config_path)
+            run_config(config)
         except ConfigError as exc:
             raise pytest.UsageError(f"{where_given(config, 'ddp_config')}: {exc}") from None
 

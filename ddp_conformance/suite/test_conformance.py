@@ -14,22 +14,17 @@ import pytest
 
 from ddp_conformance.builds import unbuilt_trainers
 from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds
-from ddp_conformance.config import RunConfig, load_config
+from ddp_conformance.config import RunConfig
 from ddp_conformance.marker import ddp_test
-from ddp_conformance.options import settings_of
+from ddp_conformance.options import run_config, session_trainers, settings_of
 from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
 from ddp_conformance.runner.wire import WARMUP
-from ddp_conformance.trainers.spec import TrainerSpec, session_trainers
-
-PARSED_KEY = pytest.StashKey[dict[str, TrainerSpec]]()
+from ddp_conformance.trainers.spec import TrainerSpec
 
 
 def parsed_trainers(config: pytest.Config) -> dict[str, TrainerSpec]:
-    """The session's SPECs, parsed once (`session_trainers`), by the SPEC as given."""
-    if PARSED_KEY not in config.stash:
-        settings = settings_of(config)
-        config.stash[PARSED_KEY] = {spec.text: spec for spec in session_trainers(settings.trainers, settings.spec_base)}
-    return config.stash[PARSED_KEY]
+    """The session's SPECs, parsed once (`options.session_trainers`), by the SPEC as given."""
+    return {spec.text: spec for spec in session_trainers(config)}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -42,8 +37,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="session")
 def conformance_config(pytestconfig: pytest.Config) -> RunConfig:
-    """`--ddp-config`, read once for the session (the plugin has already checked that it reads)."""
-    return load_config(settings_of(pytestconfig).config_path)
+    """`--ddp-config`, read once for the session (`options.run_config`: the plugin read it when it checked it)."""
+    return run_config(pytestconfig)
 
 
 @pytest.fixture
