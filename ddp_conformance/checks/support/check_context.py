@@ -147,8 +147,8 @@ class CheckContext:
 
     @contextlib.contextmanager
     def training(self, steps: int = 0) -> Iterator[None]:
-        """Time spent inside the trainer (building it, fit, resume, wrap, train_step...), for the
-        benchmark's ratio of a check's cost to the training it observes. Only the outermost span
+        """Time spent inside the trainer (building it, fit, resume, wrap, train_step...), reported as
+        `trainer_seconds` beside the check's own `check_seconds`. Only the outermost span
         counts: an adapter built inside a guarded fit's thread is already inside its span."""
         self._depth += 1
         began = time.perf_counter()

@@ -84,10 +84,9 @@ def request_stand_in(request: pytest.FixtureRequest, item: pytest.Function) -> R
     """request's stand-in: the test's names, markers, keywords and parameters that pickle."""
     markers, left_out = [], []
     for mark in item.iter_markers():
-        try:
-            pickle.dumps(mark)
+        if _picklable(mark):
             markers.append(mark)
-        except Exception:
+        else:
             left_out.append(mark.name)
     callspec = getattr(item, "callspec", None)
     spec = None
