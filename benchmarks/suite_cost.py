@@ -10,8 +10,9 @@ For each trainer and world size, one after the other, in a fresh working directo
           (`python -m torch.distributed.run`, torchrun's module) as a user runs it, imports and
           start included (`plain_fit.py`), for n optimizer steps: n is the resume horizon, the
           `final_step` the suite's resume_fidelity reports for that trainer and world size (the
-          longest fit the suite runs; `plan_steps` in checks/resume_fidelity.py: k = E + E//2 + 1
-          into the second epoch, n = k + E, with E the optimizer steps of one epoch).
+          longest fit the suite runs, which sampler_disjointness judges too; `plan_steps` in
+          checks/support/shared_fit.py: k = E + E//2 + 1 into the second epoch, n = max(k + E, 3E + 1),
+          with E the optimizer steps of one epoch).
 It prints the headline ratio suite/plain per row against the target (<= 2.0x), and where the
 suite's time goes, from the report's figures (rank 0's): each check's `check_seconds`, its share of
 the time spent in checks and the steps it observed (`observed_steps`), and the session's time outside

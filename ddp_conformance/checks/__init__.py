@@ -102,9 +102,11 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     if check_id not in CHECK_IDS:
         raise ValueError(f"unknown check {check_id!r}; known: {', '.join(CHECK_IDS)}")
     module = importlib.import_module(f"{__name__}.{check_id}")
+    from .support import shared_fit  # deferred: it imports torch, and the pytest process imports this package
     figures: dict[str, Any] = {}
     ddp.figures[RESULT_FIGURE] = CheckResult("", figures=figures).as_figure()  # the figures so far, if it errs
     ctx: CheckContext | None = None
+    result: CheckResult | None = None
     try:
         with named(options.trainer.label):
             ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
@@ -116,6 +118,9 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
         # a skip keeps what the check spent and observed before it: its time is the suite's cost too
         reason = exc.msg if isinstance(exc, pytest.skip.Exception) else str(exc)
         result = CheckResult(SKIPPED, reason, ctx.finish({}) if ctx is not None else figures)
+    finally:
+        if result is None or result.outcome == FAILED:  # an error, or a verdict: the next check fits afresh
+            shared_fit.forget()
     ddp.figures[RESULT_FIGURE] = result.as_figure()
     return result
 

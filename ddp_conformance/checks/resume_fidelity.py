@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import random
 import zipfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,20 +66,22 @@ import pytest
 import torch
 
 from ..adapter import FitObserver, NotProvided, StepInfo, TrainState
+from ..resumable import capture_rng_state, restore_rng_state
 from ..runner.parent.verdict import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
+from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .support.observe import unwrapped
-from .support.progress import guarded_fit, probe_epoch_steps
-from .support.vacuity import TrainingEvidence, skip_as_vacuous, vacuity_verdict
+from .support.observe import FitRecord, unwrapped
+from .support.progress import epoch_steps, guarded_fit
+from .support.shared_fit import ObservedFit
+from .support.vacuity import skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
 
 FALLBACK_EPOCH_STEPS = 8
 BUFFERS_LOST = "the model's buffers are not restored"
-FORCED_DROPOUT = 0.1
 
 
 class _FirstStepWeights(FitObserver):
@@ -111,19 +113,6 @@ def _disturb_rng(rank: int) -> None:
     random.seed(seed)
 
 
-def _capture_rng() -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
-
-
-def _restore_rng(state: tuple[Any, ...]) -> None:
-    torch.set_rng_state(state[0])
-    np.random.set_state(state[1])
-    random.setstate(state[2])
-    if state[3] is not None:
-        torch.cuda.set_rng_state_all(state[3])
-
-
 CPU_MANY_RANKS_RTOL = 5e-5  # ~10x the largest measured difference: 4.9e-6 (ws 3, basic.yaml, BatchNorm), 1.2e-7 (ws 4)
 CUDA_RTOL = 1e-4  # not measured here (no GPU on this project's machines): nondeterministic kernels
 
@@ -143,14 +132,14 @@ def tolerance(ctx: CheckContext) -> float:
     return CUDA_RTOL
 
 
-def _epoch_steps(ctx: CheckContext, config: Any) -> int:
-    """Optimizer steps per epoch of the real training loader (a one-step probe fit), else of
+def _epoch_steps(ctx: CheckContext, probe: FitRecord) -> int:
+    """Optimizer steps per epoch of the real training loader (the one-step probe fit's), else of
     `make_loader`, else an assumption the notes state."""
 
-    observed = probe_epoch_steps(ctx, lambda obs: ctx.adapter(config).fit(1, observer=obs), lengths_are_mine=False)
+    observed = epoch_steps(ctx, probe, lengths_are_mine=False)
     if observed is not None:
         return observed
-    adapter = ctx.adapter(config)
+    adapter = ctx.adapter()
     try:
         loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
         batches = len(loader)
@@ -161,38 +150,31 @@ def _epoch_steps(ctx: CheckContext, config: Any) -> int:
     return max(1, math.ceil(batches / ctx.config.trainer.accumulate_grad_batches))
 
 
-def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
-    """(k, n): the checkpoint step and the final step. The checkpoint lies in the *second* epoch, so
-    a resume that restores the position but not the epoch shows, and the resumed part crosses an
-    epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer that
-    checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that checkpoints
-    every N steps the first multiple of N inside the second epoch or after it."""
-    if cadence == "epoch":
-        k = 2 * epoch
-    elif isinstance(cadence, int) and cadence > 0:
-        k = cadence * math.ceil((epoch + 1) / cadence)
-    else:
-        k = epoch + epoch // 2 + 1
-    return k, k + epoch + (epoch // 2 if cadence == "epoch" else 0)
-
-
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     ctx.require_shared_workdir()
-    config = _with_dropout(ctx)
-    epoch = _epoch_steps(ctx, config)
-    cadence = getattr(ctx.factory(), "checkpoint_every", None)
-    k, n = plan_steps(epoch, cadence)
+    probe = shared_fit.probe(ctx)
+    epoch = _epoch_steps(ctx, probe)
+    observed = shared_fit.observed_fit(ctx, epoch)
+    config, k, n = observed.config, observed.checkpoint_step, observed.horizon
     rtol = tolerance(ctx)
     exact = rtol == 0.0
     figures: dict[str, Any] = {
-        "checkpoint_step": k, "final_step": n, "epoch_steps": epoch, "checkpoint_cadence": cadence or "any step",
+        "checkpoint_step": k, "final_step": n, "epoch_steps": epoch,
+        "checkpoint_cadence": getattr(ctx.factory(), "checkpoint_every", None) or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
-    full = _uninterrupted(ctx, config, n, figures)
+    full = _uninterrupted(ctx, observed, figures)
     _ranks_stay_in_step(ctx, n, epoch, figures)
-    part, checkpoint, written = _until_checkpoint(ctx, config, k, figures)
-    at_checkpoint = _capture_rng()
+    part: TrainState | None = None
+    at_checkpoint: dict[str, Any] = {}
+    if observed.checkpoint_dir is not None:
+        checkpoint, written = _checkpoint_on_the_way(ctx, observed, figures)
+    else:
+        part, checkpoint, written, at_checkpoint = _until_checkpoint(ctx, config, k, figures)
+    unreproducible = _not_reproducible(ctx, "probe", 1)
+    if unreproducible:
+        raise ctx.fail(unreproducible, **figures)
     _disturb_rng(ctx.rank)
     first = _FirstStepWeights()
     resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
@@ -202,10 +184,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
                                    default=0.0)
     # every decision below is taken from gathered values, so all ranks run the same collectives
-    taken = ctx.recordings["until-checkpoint"].optimizer_steps
-    if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
-        ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
     if any(all_gather(bool(found))):
+        if part is None:  # the state the shared fit checkpointed, and the RNG as it was there
+            part, written, at_checkpoint = _at_checkpoint(ctx, observed, full, written)
+        taken = ctx.recordings["until-checkpoint"].optimizer_steps if "until-checkpoint" in ctx.recordings else k
+        if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
+            ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
         weights = first.weights if all(all_gather(taken == k)) else None
         statics = all_gather(_diagnose(found, full, part, weights, checkpoint, n, k) if found else [])
         verdict = _rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n) or _follows_all(statics)
@@ -215,37 +199,25 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                      other_causes=any(statics))
             verdict = _verdict(statics, rng, [data] * ctx.world_size)
         raise ctx.fail(verdict, **figures)
-    _only_rank_zero_writes(ctx, written, checkpoint, figures)
+    if part is not None and ctx.recordings["until-checkpoint"].optimizer_steps != k:
+        ctx.note(f"fit({k}) took {ctx.recordings['until-checkpoint'].optimizer_steps} optimizer steps, so the "
+                 "checkpointed weights are not its final ones")
+    own_dir = observed.checkpoint_dir or ctx.workdir / "ckpt" / f"rank{ctx.rank}"
+    _only_rank_zero_writes(ctx, written, checkpoint, own_dir.parent / "rank0", figures)
     figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
                           else f"max |d| {figures['max_abs_delta']:.0e} @{n} (ckpt @{k})")
     return figures
 
 
-def _with_dropout(ctx: CheckContext) -> RunConfig:
-    """The config with dropout forced on, so that a lost RNG state shows in the weights."""
-    config = ctx.config
-    if config.model.dropout == 0:
-        config = replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
-        ctx.config_note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for this check, so that a lost RNG state "
-                 "shows (a trainer that ignores the config's model section keeps its own model)")
-    return config
-
-
-def _uninterrupted(ctx: CheckContext, config: RunConfig, n: int, figures: dict[str, Any]) -> TrainState:
-    """fit(n) from scratch: the run a resume must reproduce; one that trains nothing fails here, since
-    it would resume "bitwise" whatever its checkpoint holds."""
-    evidence = TrainingEvidence()
-
-    def evidence_of(state: TrainState) -> dict[str, Any]:
-        return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
-
-    full, progress = guarded_fit(ctx, "uninterrupted", n, lambda obs: ctx.adapter(config).fit(n, observer=obs),
-                                 inner=evidence, extra=evidence_of, all_inputs=True)
-    vacuous = vacuity_verdict([p.extra.get("evidence") for p in progress], f"the uninterrupted fit({n})")
+def _uninterrupted(ctx: CheckContext, observed: ObservedFit, figures: dict[str, Any]) -> TrainState:
+    """The shared fit from scratch to n: the run a resume must reproduce; one that trains nothing
+    skips here, since it would resume "bitwise" whatever its checkpoint holds."""
+    vacuous = vacuity_verdict([p.extra.get("evidence") for p in observed.progress],
+                              f"the uninterrupted fit({observed.horizon})")
     if vacuous:
         ctx.figures.update(figures)
         skip_as_vacuous(vacuous)
-    return full
+    return observed.state
 
 
 def _ranks_stay_in_step(ctx: CheckContext, n: int, epoch: int, figures: dict[str, Any]) -> None:
@@ -265,14 +237,44 @@ def _ranks_stay_in_step(ctx: CheckContext, n: int, epoch: int, figures: dict[str
                        "ends before that", **figures)
 
 
-def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
-                      figures: dict[str, Any]) -> tuple[TrainState, Path, list[Any]]:
+def _checkpoint_on_the_way(ctx: CheckContext, observed: ObservedFit,
+                           figures: dict[str, Any]) -> tuple[Path, list[Any]]:
+    """Rank 0's checkpoint the shared fit wrote at k, and what every rank wrote (files, checkpoint,
+    parameter digest after step k, the tensors stepped outside the model)."""
+    own_dir, k = observed.checkpoint_dir, observed.checkpoint_step
+    assert own_dir is not None
+    steps = observed.record.step_digests
+    state = observed.state
+    written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
+                          str(state.checkpoint) if state.checkpoint else _newest_file(own_dir),
+                          steps[k - 1] if len(steps) >= k else None, observed.record.outside_digests()))
+    return _judged_checkpoint(ctx, written, f"fit({observed.horizon}, checkpoint_at={k})", figures), written
+
+
+def _at_checkpoint(ctx: CheckContext, observed: ObservedFit, full: TrainState,
+                   written: list[Any]) -> tuple[TrainState, list[Any], dict[str, Any]]:
+    """The shared fit's state right after step k (its recorder's snapshot), as a fit that ended at k
+    would return it; what every rank wrote, with the buffer digest and names at k; the RNG state there."""
+    snapshot = observed.record.snapshot
+    if snapshot is None:  # the fit never took step k: nothing was checkpointed there either
+        raise ctx.fail(f"the uninterrupted fit({observed.horizon}) never reached its checkpoint step "
+                       f"{observed.checkpoint_step}")
+    part = TrainState(params=snapshot.state, optimizer={}, scheduler=None, epoch=0, global_step=snapshot.step,
+                      position=0, losses=full.losses[:snapshot.micro_batches], observed=True)
+    mine = (digest(buffers(snapshot.state, snapshot.buffer_names)), snapshot.buffer_names)
+    return part, [(*w[:4], *theirs) for w, theirs in zip(written, all_gather(mine), strict=True)], snapshot.rng
+
+
+def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int, figures: dict[str, Any],
+                      directory: str = "ckpt") -> tuple[TrainState, Path, list[Any], dict[str, Any]]:
     """fit(k) checkpointing at k into this rank's own directory: its state, rank 0's checkpoint file,
-    and what every rank wrote (files, checkpoint, parameter digest)."""
-    own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
+    what every rank wrote (files, checkpoint, parameter digest, the tensors stepped outside the model,
+    buffer digest, buffer names), and the RNG state it left."""
+    own_dir = ctx.workdir / directory / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
+    at_checkpoint = capture_rng_state()
     record = ctx.recordings["until-checkpoint"]
     # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`
     named = unwrapped(record.model).named_buffers() if record.model is not None else ()
@@ -281,37 +283,45 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
                           str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
                           digest(parameters(part.params)), record.outside_digests(),
                           digest(buffers(part.params, buffer_names)), buffer_names))
+    checkpoint = _judged_checkpoint(ctx, written, f"fit({k}, checkpoint_at={k})", figures)
+    unreproducible = _not_reproducible(ctx, "until-checkpoint", k)
+    if unreproducible:
+        raise ctx.fail(unreproducible, **figures)
+    return part, checkpoint, written, at_checkpoint
+
+
+def _judged_checkpoint(ctx: CheckContext, written: list[Any], fit: str, figures: dict[str, Any]) -> Path:
+    """Rank 0's checkpoint, once the ranks agree at it and it exists."""
+    __tracebackhide__ = hide_on_verdict
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1 or drifted([w[3] for w in written])[0]:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
                     "synchronised: see rank_participation / gradient_equivalence); a rank-0 checkpoint cannot "
                     "resume the other ranks, so resume fidelity cannot be judged")
     if not checkpoint or not Path(checkpoint).exists():
-        raise ctx.fail(f"no checkpoint file after fit({k}, checkpoint_at={k}): rank 0 reported "
-                       f"{checkpoint!r}", **figures)
+        raise ctx.fail(f"no checkpoint file after {fit}: rank 0 reported {checkpoint!r}", **figures)
     figures["checkpoint"] = Path(checkpoint).name
-    unreproducible = _not_reproducible(ctx, k)
-    if unreproducible:
-        raise ctx.fail(unreproducible, **figures)
-    return part, Path(checkpoint), written
+    return Path(checkpoint)
 
 
-def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Path, figures: dict[str, Any]) -> None:
+def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Path, given: Path,
+                           figures: dict[str, Any]) -> None:
+    """Only rank 0 wrote files, each rank into `checkpoint_dir`s of its own (`given` is rank 0's)."""
     others = [(r, files) for r, (files, *_) in enumerate(written) if r != 0 and files]
     if others:
         r, files = others[0]
         raise ctx.fail(f"rank {r} wrote checkpoint files ({', '.join(files[:3])}): only rank 0 may write checkpoints "
                        "(every rank writing the same path races and can leave a corrupt file)", **figures)
-    if checkpoint.parent != ctx.workdir / "ckpt" / "rank0":
+    if checkpoint.parent != given:
         ctx.note(f"rank 0 wrote its checkpoint outside the checkpoint_dir it was given ({checkpoint}), so writes "
                  "could not be attributed to ranks")
 
 
-def _not_reproducible(ctx: CheckContext, k: int) -> str:
-    """Two fits from scratch must agree at step k (the uninterrupted fit and the one that
-    checkpoints), or no resume can be compared with either: "" when they do or cannot be compared."""
-    full, part = ctx.recordings["uninterrupted"].step_digests, ctx.recordings["until-checkpoint"].step_digests
-    mine = next((step for step, (a, b) in enumerate(zip(full[:k], part[:k], strict=False), start=1) if a != b), 0)
+def _not_reproducible(ctx: CheckContext, label: str, k: int) -> str:
+    """Two fits from scratch (the uninterrupted fit and the fit `label`) must agree over their first k
+    steps, or no resume can be compared with either: "" when they do or cannot be compared."""
+    full, other = ctx.recordings["uninterrupted"].step_digests, ctx.recordings[label].step_digests
+    mine = next((step for step, (a, b) in enumerate(zip(full[:k], other[:k], strict=False), start=1) if a != b), 0)
     differing = [(rank, step) for rank, step in enumerate(all_gather(mine)) if step]
     if not differing:
         return ""
@@ -527,7 +537,7 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
 
 
 def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: TrainState, part: TrainState,
-                 resumed: TrainState, checkpoint: Path, at_checkpoint: tuple[Any, ...], n: int, k: int, *,
+                 resumed: TrainState, checkpoint: Path, at_checkpoint: dict[str, Any], n: int, k: int, *,
                  positioned: bool, other_causes: bool) -> tuple[list[list[Cause]], list[Cause]]:
     """What the states alone cannot tell: whether the RNG state and the data position are restored
     (every rank's RNG causes, and the data causes every rank shares). The RNG state each rank's
@@ -542,7 +552,7 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     rerun = not other_causes or any(e in (RNG_OTHER, RNG_SHIFTED) for e in all_gather(evidence))
     label, again = "resumed", resumed
     if rerun:
-        _restore_rng(at_checkpoint)
+        restore_rng_state(at_checkpoint)
         label = "resumed-same-rng"
         again, _ = guarded_fit(ctx, label, n - k, lambda obs: ctx.adapter(config).resume(
             checkpoint, n, observer=obs), all_inputs=True)
@@ -604,8 +614,10 @@ BATCHES_FOLLOW = "the batches after the resume differ too, following the RNG"
 def _before(ctx: CheckContext, k: int) -> int:
     """Micro-batches the uninterrupted fit ran before step k's successor: where a resume from step k
     begins (the fit that checkpointed may have begun one more, as a script ended at its next step)."""
-    trail = ctx.recordings["uninterrupted"].rng_trail
-    fallback = ctx.recordings["until-checkpoint"].micro_batches
+    full = ctx.recordings["uninterrupted"]
+    trail = full.rng_trail
+    part = ctx.recordings.get("until-checkpoint")
+    fallback = part.micro_batches if part is not None else full.snapshot.micro_batches if full.snapshot else 0
     return next((i for i, mark in enumerate(trail) if mark.steps == k), fallback)
 
 
@@ -622,7 +634,8 @@ def _counted_shift(counters: dict[str, Difference]) -> str:
     if full is None or resumed is None or full == resumed:
         return "the resumed run reads other batches than the uninterrupted one"
     same_epoch = "epoch" not in counters and -1 not in (full[1], resumed[1])
-    count = f"{abs(full[1] - resumed[1])} micro-batches" if same_epoch else "micro-batches"
+    shift = abs(full[1] - resumed[1])
+    count = f"{shift} micro-batch{'' if shift == 1 else 'es'}" if same_epoch else "micro-batches"
     if resumed < full:
         return f"the resumed run re-reads {count} it trained before the checkpoint (it ends behind the other run)"
     return f"the resumed run skips {count} that the uninterrupted run trains (it ends ahead of the uninterrupted run)"

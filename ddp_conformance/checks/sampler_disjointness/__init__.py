@@ -4,7 +4,8 @@ The indices come from the fit itself (`observe.FitRecorder` records what each ra
 loader drew), never from a restatement: a loop that forgets `set_epoch` fails here even when the
 adapter's `make_loader` calls it. The fit runs long enough to finish three epochs: a one-step probe
 fit first measures the training loader's length and the micro-batches per optimizer step
-(`progress.probe_epoch_steps`). Where
+(`progress.epoch_steps`). Both fits are the ones resume_fidelity judges too, run once for both
+(`support/shared_fit.py`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
 ("make_loader yields samples the fit never consumed"); where the fit's batches are not lists of
 dataset indices (a batch sampler of keys), the fit's own inputs are judged (`loader_schemes.judge_inputs`: no batch fed
@@ -24,9 +25,10 @@ import pytest
 
 from ...adapter import NotProvided
 from ...trainers.spec import LIGHTNING, SCRIPT
+from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict
 from ..support.observe import dropped_tail
-from ..support.progress import guarded_fit, probe_epoch_steps
+from ..support.progress import epoch_steps
 from ..support.sampling import analyse, analyse_started_epoch, per_rank_split
 from . import loader_schemes
 
@@ -35,26 +37,27 @@ NO_ADAPTER_KINDS = (LIGHTNING, SCRIPT)
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
 #: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
-EPOCHS = (0, 1, 2)
+EPOCHS = tuple(range(shared_fit.WHOLE_EPOCHS))
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     try:
-        epoch = probe_epoch_steps(ctx, lambda obs: ctx.adapter().fit(1, observer=obs))
+        record = shared_fit.probe(ctx)
     except NotProvided as exc:
         if exc.what != "fit":
             raise
         return _judge_from_helpers(ctx, "the adapter provides no fit")
-    probe = ctx.recordings["probe"].training_passes()
+    epoch = epoch_steps(ctx, record)
+    probe = record.training_passes()
     if any(all_gather(bool(probe) and probe[0].iterable)):
         return loader_schemes.judge_iterable(ctx, probe)
     if epoch is None:
         pytest.skip("fit(1) drew its batches through no DataLoader with a length (batches made by hand, e.g. "
                     "torch.randint, or an unsized iterable): there are no epochs or sample indices to judge")
-    steps = len(EPOCHS) * epoch + 1  # one step into the next epoch, so the judged ones are complete
-    guarded_fit(ctx, "epochs", steps, lambda obs: ctx.adapter().fit(steps, observer=obs))
-    passes = ctx.recordings["epochs"].training_passes()
+    observed = shared_fit.observed_fit(ctx, epoch)  # at least one step into the next epoch: the judged ones are whole
+    steps = observed.horizon
+    passes = observed.record.training_passes()
     started = min(all_gather(len(passes)))
     if started < 3:
         pytest.skip(f"fit({steps}) did not finish 2 epochs of its training loader (it started {len(passes)} passes "

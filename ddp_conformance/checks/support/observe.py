@@ -52,6 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, Subset
 
 from ...adapter import StepInfo, TrainState
+from ...resumable import capture_rng_state
 from .memory import shares_its_base
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
@@ -126,6 +127,20 @@ class FirstStep:
 
 
 @dataclass
+class StepSnapshot:
+    """Where a fit stood right after training step `step` (`FitRecorder(snapshot_at=step)`): what a
+    checkpoint written there holds, read without stopping the fit there. Steps are counted by the
+    first optimizer that stepped, and the snapshot is taken again after every other optimizer's step
+    in the same iteration (a Muon beside an AdamW), so it holds the iteration's end."""
+
+    step: int
+    micro_batches: int  # the fit's micro-batches up to and including that step's
+    state: dict[str, Any] = field(repr=False)  # the model's state_dict, CPU copies, as the trainer names it
+    buffer_names: list[str] = field(default_factory=list)
+    rng: dict[str, Any] = field(default_factory=dict, repr=False)  # the process's RNGs (`capture_rng_state`)
+
+
+@dataclass
 class FitRecord:
     """Everything one fit did on this rank, as the hooks saw it."""
 
@@ -158,6 +173,7 @@ class FitRecord:
     optimizers: list[Any] = field(default_factory=list, repr=False)  # every optimizer that stepped, first first
     outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
     first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
+    snapshot: StepSnapshot | None = field(default=None, repr=False)  # only when the recorder was asked
 
     @property
     def optimizer(self) -> Any:
@@ -204,13 +220,16 @@ class FitRecorder:
 
     def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
                  all_inputs: bool = False, keep_batches: bool = False,
-                 on_first_micro_batch: Callable[[Any], None] | None = None) -> None:
+                 on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
         the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
-        another fit's parameters sets them there)."""
+        another fit's parameters sets them there). `snapshot_at=k`: keep the fit's state right after
+        optimizer step k (`StepSnapshot`)."""
         self.record = FitRecord()
+        self._snapshot_at = snapshot_at
+        self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
         self._all_inputs = all_inputs
         self._keep_batches = keep_batches and first_step
@@ -421,6 +440,11 @@ class FitRecorder:
             record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
         if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
+        if optimizer is record.optimizer:
+            self._lead_steps += 1
+        if self._lead_steps == self._snapshot_at and record.model is not None:
+            # taken again at each optimizer's step of that iteration: the last is where it ends
+            record.snapshot = _snapshot(record, self._lead_steps)
 
     def _ddp_init(self, original: Any) -> Any:
         record = self.record
@@ -473,6 +497,15 @@ class FitRecorder:
             return _recorded(original(sampler), target, recorder._loaders_own_draws)
 
         return __iter__
+
+
+def _snapshot(record: FitRecord, step: int) -> StepSnapshot:
+    # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`
+    model = unwrapped(record.model)
+    state = {name.removeprefix("_forward_module."): value.detach().cpu().clone()
+             for name, value in model.state_dict().items()}
+    names = [name.removeprefix("_forward_module.") for name, _ in model.named_buffers()]
+    return StepSnapshot(step, record.micro_batches, state, names, capture_rng_state())
 
 
 class _Yields:

@@ -43,7 +43,7 @@ from ...adapter import FitObserver, StepInfo
 from ...runner.parent.process import cpu_seconds
 from ...runner.parent.verdict import ranks_label
 from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .observe import FitRecorder, ObservedState
+from .observe import FitRecord, FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
@@ -234,11 +234,11 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
                 inner: FitObserver | None = None,
                 extra: Callable[[Any], dict[str, Any]] | None = None,
                 first_step: bool = False, all_inputs: bool = False,
-                keep_batches: bool = False) -> tuple[Any, list[Progress]]:
+                keep_batches: bool = False, snapshot_at: int | None = None) -> tuple[Any, list[Progress]]:
     """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress;
     `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`),
-    `keep_batches` the batches its loader yielded for it too, and `all_inputs` digest what every
-    micro-batch fed the model.
+    `keep_batches` the batches its loader yielded for it too, `all_inputs` digest what every
+    micro-batch fed the model, and `snapshot_at` keep its state after that optimizer step.
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
     Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs.
@@ -254,7 +254,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
             # progress comes from the fit's own forwards and steps (the recorder's hooks); the
             # adapter's observer calls, if it makes any, only add the losses it reports
             with FitRecorder(listener=observer, rank=ctx.rank, first_step=first_step,
-                             all_inputs=all_inputs, keep_batches=keep_batches) as recorder:
+                             all_inputs=all_inputs, keep_batches=keep_batches, snapshot_at=snapshot_at) as recorder:
                 ctx.recordings[label] = recorder.record
                 result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)
@@ -366,19 +366,16 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
             raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)
 
 
-def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], label: str = "probe", *,
-                      lengths_are_mine: bool = True) -> int | None:
-    """Optimizer steps in one epoch of the trainer's real training loader, from a one-step fit
-    (`fit(observer)` must run `adapter.fit(1, ...)`): its loader's length over the micro-batches per
-    optimizer step. Every rank must agree: unequal lengths leave ranks waiting in DDP's all-reduce,
+def epoch_steps(ctx: CheckContext, probe: FitRecord, *, lengths_are_mine: bool = True) -> int | None:
+    """Optimizer steps in one epoch of the trainer's real training loader, from the record of a
+    one-step fit (`shared_fit.probe`): its loader's length over the micro-batches per optimizer step.
+    Every rank must agree (collective): unequal lengths leave ranks waiting in DDP's all-reduce,
     which is sampler_disjointness's verdict (`lengths_are_mine`); for any other check they are a
     precondition it cannot judge without, so a skip naming sampler_disjointness. None when the
     loader has no length."""
     __tracebackhide__ = hide_on_verdict
 
-    guarded_fit(ctx, label, 1, fit)
-    record = ctx.recordings[label]
-    passes = record.training_passes()
+    passes = probe.training_passes()
     lengths = all_gather(passes[0].length if passes else None)
     if any(n is None for n in lengths):
         return None
@@ -389,5 +386,5 @@ def probe_epoch_steps(ctx: CheckContext, fit: Callable[[FitObserver], Any], labe
                         "point of every rank's epoch: not judged here; sampler_disjointness judges the batch counts")
         raise ctx.fail(f"{uneven}: uneven batch counts leave ranks waiting in DDP's all-reduce at the end of every "
                        "epoch (the batching differs between ranks)", batches_per_rank=lengths)
-    accumulate = max(1, record.micro_batches // max(1, record.optimizer_steps))
+    accumulate = max(1, probe.micro_batches // max(1, probe.optimizer_steps))
     return max(1, math.ceil(lengths[0] / accumulate))

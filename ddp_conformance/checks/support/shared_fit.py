@@ -1,0 +1,177 @@
+"""The observed fit that sampler_disjointness and resume_fidelity both judge, run once per trainer,
+configuration and group, and kept in the rank's process for the session.
+
+Both checks watch one long fit from scratch: sampler_disjointness the indices its training loader drew
+over three whole epochs, resume_fidelity its final state (the run a resume must reproduce), the ranks'
+parameters after each step, and whether it trained at all. Each also needs the one-step probe fit that
+measures an epoch. Run apart, those were two probes and two long fits (3E + 1 and 2.5E + 1 steps) and
+a third fit that stopped at resume_fidelity's checkpoint step k. Now the first of the two checks to run
+fits once to the horizon both need, `max(n, 3E + 1)`, writing the checkpoint at k on the way wherever
+the trainer writes it there and nowhere else (`TrainerAdapter.checkpoints_once`), and the other check
+reads what the recorder saw.
+
+Evidence is reused only where it is the same fit:
+- its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
+  checkpoint cadence it was planned from, and the group's size, backend and device: another trainer
+  or configuration never matches;
+- it lives in this rank's process, so a rebuilt pool (fresh rank processes) starts with none;
+- `forget()` drops all of it after any check fails or errors on this rank (`run_check`), since a failed
+  check may leave the process (RNG, files, a half-built trainer) unlike a fresh one;
+- it is reused only when every rank holds it (gathered): ranks that disagreed would run different
+  collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ...adapter import TrainerAdapter, TrainState
+from ...config import RunConfig
+from .check_context import CheckContext, all_gather
+from .observe import FitRecord
+from .progress import Progress, guarded_fit
+from .vacuity import TrainingEvidence
+
+#: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
+WHOLE_EPOCHS = 3
+#: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
+FORCED_DROPOUT = 0.1
+#: what each check that asked for evidence says it did, under its figures' "shared_fits"
+FIGURE = "shared_fits"
+
+_Evidence = TypeVar("_Evidence")
+_HELD: dict[tuple[Any, ...], Any] = {}  # this rank's evidence, by key
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The one-step fit that measures the training loader (its passes' lengths, micro-batches a step)."""
+
+    record: FitRecord
+    ran_in: str
+
+
+@dataclass(frozen=True)
+class ObservedFit:
+    """One uninterrupted fit from scratch to `horizon` steps, as every rank's recorder saw it."""
+
+    config: RunConfig  # what it ran with (dropout forced on)
+    epoch_steps: int
+    checkpoint_step: int  # k: resume_fidelity's checkpoint
+    horizon: int  # its steps: resume_fidelity's n, and one step past sampler_disjointness's whole epochs
+    record: FitRecord
+    state: TrainState
+    progress: list[Progress]  # every rank's, with its TrainingEvidence under extra["evidence"]
+    checkpoint_dir: Path | None  # this rank's own directory, holding the checkpoint at k; None: it wrote none
+    ran_in: str
+
+
+def forget() -> None:
+    """Drop all evidence this rank holds: after a failure, every check fits afresh."""
+    _HELD.clear()
+
+
+def fit_config(ctx: CheckContext) -> RunConfig:
+    """The config the shared fits run with: dropout forced on when the config has none, so that a lost
+    RNG state shows in resume_fidelity's weights."""
+    config = ctx.config
+    if config.model.dropout != 0:
+        return config
+    ctx.config_note(f"config model.dropout 0 raised to {FORCED_DROPOUT} for the fit sampler_disjointness and "
+                    "resume_fidelity share, so that a lost RNG state shows (a trainer that ignores the config's "
+                    "model section keeps its own model)")
+    return replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
+
+
+def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
+    """(k, n): resume_fidelity's checkpoint step and final step. The checkpoint lies in the *second*
+    epoch, so a resume that restores the position but not the epoch shows, and the resumed part
+    crosses an epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer
+    that checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that
+    checkpoints every N steps the first multiple of N inside the second epoch or after it. n is at
+    least k + E, and one step past sampler_disjointness's three whole epochs, so one fit serves both."""
+    if cadence == "epoch":
+        k = 2 * epoch
+    elif isinstance(cadence, int) and cadence > 0:
+        k = cadence * math.ceil((epoch + 1) / cadence)
+    else:
+        k = epoch + epoch // 2 + 1
+    return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), WHOLE_EPOCHS * epoch + 1)
+
+
+def probe(ctx: CheckContext) -> FitRecord:
+    """The one-step probe fit's record (as `ctx.recordings["probe"]`), run here unless held."""
+    config = fit_config(ctx)
+
+    def run() -> Probe:
+        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs))
+        return Probe(ctx.recordings["probe"], ctx.check_id)
+
+    held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
+    ctx.recordings["probe"] = held.record
+    return held.record
+
+
+def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
+    """The uninterrupted fit to `plan_steps`' n for an epoch of `epoch` steps (as
+    `ctx.recordings["uninterrupted"]`), run here unless held."""
+    config = fit_config(ctx)
+    adapter = ctx.factory()
+    cadence = getattr(adapter, "checkpoint_every", None)
+    k, n = plan_steps(epoch, cadence)
+    own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}" if _checkpoints_on_the_way(adapter) else None
+
+    def run() -> ObservedFit:
+        evidence = TrainingEvidence()
+
+        def evidence_of(state: TrainState) -> dict[str, Any]:
+            return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
+
+        if own_dir is not None:
+            own_dir.mkdir(parents=True, exist_ok=True)
+        state, progress = guarded_fit(
+            ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
+                n, checkpoint_dir=own_dir, checkpoint_at=k if own_dir is not None else None, observer=obs),
+            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=k if own_dir is not None else None)
+        return ObservedFit(config, epoch, k, n, ctx.recordings["uninterrupted"], state, progress, own_dir,
+                           ctx.check_id)
+
+    held = held_or_run(ctx, "uninterrupted", evidence_key(ctx, config, "uninterrupted", epoch, cadence), run)
+    ctx.recordings["uninterrupted"] = held.record
+    return held
+
+
+def _adapter(ctx: CheckContext, config: RunConfig) -> TrainerAdapter:
+    # the run's own config goes through `ctx.adapter()`, whose setup failure fails every check alike
+    return ctx.adapter() if config is ctx.config else ctx.adapter(config)
+
+
+def _checkpoints_on_the_way(adapter: Any) -> bool:
+    """Whether the long fit can write resume_fidelity's checkpoint: the trainer resumes, and writes
+    the checkpoint at k only (a script's `--save-every {checkpoint_at}` would write it again at 2k)."""
+    resumes = type(adapter).resume is not TrainerAdapter.resume
+    return resumes and bool(getattr(adapter, "checkpoints_once", True))
+
+
+def evidence_key(ctx: CheckContext, config: RunConfig, what: str, *plan: Any) -> tuple[Any, ...]:
+    rank_ctx = ctx.rank_ctx
+    return (what, ctx.spec.text, str(ctx.spec.base), repr(config), rank_ctx.world_size, rank_ctx.backend,
+            rank_ctx.device_type, *plan)
+
+
+def held_or_run(ctx: CheckContext, label: str, key: tuple[Any, ...], run: Callable[[], _Evidence]) -> _Evidence:
+    """The evidence under `key` if every rank holds it, else `run()`'s, kept (collective)."""
+    held = _HELD.get(key)
+    said = ctx.figures.setdefault(FIGURE, {})
+    if all(all_gather(held is not None)):
+        said[label] = f"reused from {held.ran_in}"  # type: ignore[union-attr]
+        return held  # type: ignore[return-value]
+    _HELD.pop(key, None)
+    evidence = run()
+    _HELD[key] = evidence
+    said[label] = "ran here"
+    return evidence

@@ -1,0 +1,101 @@
+"""Evidence of a shared fit is reused only where it is the same fit: the same trainer, configuration,
+plan and group, in the same rank processes, with no failure since (`checks/support/shared_fit.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ddp_conformance.checks.support import shared_fit
+from ddp_conformance.config import RunConfig
+from ddp_conformance.trainers.spec import TrainerSpec
+
+
+def context(text: str = "torch", base: str = ".", world_size: int = 2, backend: str = "gloo",
+            device: str = "cpu") -> Any:
+    """What `evidence_key` and `held_or_run` read of a CheckContext."""
+    return SimpleNamespace(spec=TrainerSpec.parse(text, Path(base)), check_id="sampler_disjointness", figures={},
+                           rank_ctx=SimpleNamespace(world_size=world_size, backend=backend, device_type=device))
+
+
+def test_the_key_tells_apart_every_trainer_configuration_plan_and_group() -> None:
+    config = RunConfig()
+    other = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.3))
+    base = shared_fit.evidence_key(context(), config, "uninterrupted", 8, None)
+    variants = [
+        shared_fit.evidence_key(context("lightning"), config, "uninterrupted", 8, None),
+        shared_fit.evidence_key(context(base="/elsewhere"), config, "uninterrupted", 8, None),
+        shared_fit.evidence_key(context(), other, "uninterrupted", 8, None),
+        shared_fit.evidence_key(context(), config, "probe", 8, None),
+        shared_fit.evidence_key(context(), config, "uninterrupted", 9, None),
+        shared_fit.evidence_key(context(), config, "uninterrupted", 8, "epoch"),
+        shared_fit.evidence_key(context(world_size=4), config, "uninterrupted", 8, None),
+        shared_fit.evidence_key(context(backend="nccl"), config, "uninterrupted", 8, None),
+        shared_fit.evidence_key(context(device="cuda"), config, "uninterrupted", 8, None),
+    ]
+    assert base == shared_fit.evidence_key(context(), RunConfig(), "uninterrupted", 8, None)
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_held_evidence_is_reused_by_key_and_dropped_after_a_failure() -> None:
+    shared_fit.forget()
+    runs: list[str] = []
+
+    def run(name: str) -> Any:
+        return lambda: runs.append(name) or SimpleNamespace(ran_in=name)
+
+    first, again, other = context(), context(), context("lightning")
+    assert shared_fit.held_or_run(first, "fit", ("a",), run("first")).ran_in == "first"
+    assert shared_fit.held_or_run(again, "fit", ("a",), run("again")).ran_in == "first"
+    assert shared_fit.held_or_run(other, "fit", ("b",), run("other")).ran_in == "other"
+    assert runs == ["first", "other"]
+    assert (first.figures["shared_fits"], again.figures["shared_fits"]) == ({"fit": "ran here"},
+                                                                           {"fit": "reused from first"})
+    shared_fit.forget()
+    assert shared_fit.held_or_run(context(), "fit", ("a",), run("after")).ran_in == "after"
+    shared_fit.forget()
+
+
+TESTS = """
+import pytest
+from types import SimpleNamespace
+from ddp_conformance.checks.support import shared_fit
+
+def context(ddp):
+    rank_ctx = SimpleNamespace(world_size=ddp.world_size, backend=ddp.backend, device_type="cpu")
+    return SimpleNamespace(figures={}, check_id="a check", rank_ctx=rank_ctx)
+
+def said(ddp, name):
+    ctx = context(ddp)
+    shared_fit.held_or_run(ctx, "fit", ("key",), lambda: SimpleNamespace(ran_in=name))
+    return ctx.figures["shared_fits"]["fit"]
+
+@pytest.mark.ddp(world_size=2)
+def test_1_runs(ddp):
+    assert said(ddp, "1") == "ran here"
+
+@pytest.mark.ddp(world_size=2)
+def test_2_same_pool_reuses(ddp):
+    assert said(ddp, "2") == "reused from 1"
+    ddp.mark_group_unusable("this test asks for a new pool")
+
+@pytest.mark.ddp(world_size=2)
+def test_3_rebuilt_pool_runs_again(ddp):
+    assert said(ddp, "3") == "ran here"
+
+@pytest.mark.ddp(world_size=2)
+def test_4_a_rank_that_lost_it_makes_every_rank_run_again(ddp):
+    if ddp.rank == 1:
+        shared_fit.forget()
+    assert said(ddp, "4") == "ran here"
+"""
+
+
+def test_evidence_lives_in_the_rank_processes_and_every_rank_must_hold_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--basetemp={pytester.path / 'tmp'}")
+    result.assert_outcomes(passed=4)
