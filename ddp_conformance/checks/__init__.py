@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from .. import kept
 from ..adapter import NotProvided, named
 from ..config import RunConfig
 from ..trainers.spec import TrainerSpec
@@ -102,7 +103,6 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     if check_id not in CHECK_IDS:
         raise ValueError(f"unknown check {check_id!r}; known: {', '.join(CHECK_IDS)}")
     module = importlib.import_module(f"{__name__}.{check_id}")
-    from .support import shared_fit  # deferred: it imports torch, and the pytest process imports this package
     figures: dict[str, Any] = {}
     ddp.figures[RESULT_FIGURE] = CheckResult("", figures=figures).as_figure()  # the figures so far, if it errs
     ctx: CheckContext | None = None
@@ -120,7 +120,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
         result = CheckResult(SKIPPED, reason, ctx.finish({}) if ctx is not None else figures)
     finally:
         if result is None or result.outcome == FAILED:  # an error, or a verdict: the next check fits afresh
-            shared_fit.forget()
+            kept.forget()
     ddp.figures[RESULT_FIGURE] = result.as_figure()
     return result
 

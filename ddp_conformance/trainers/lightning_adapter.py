@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..adapter import FitObserver, NotProvided, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import RunConfig
+from ..kept import kept_or_run
 from ..resumable import capture_rng_state, restore_rng_state
 from ..runner.rank import fault_handlers
 from .lightning_parts import LightningParts
@@ -450,9 +451,15 @@ class LightningAdapter(TrainerAdapter):
     # --- data: observed in a probe fit --------------------------------------------------------------
 
     def probe(self, epochs: int = PROBE_EPOCHS) -> ProbedEpochs:
-        """The train loader as Lightning builds and prepares it in a fit (collective), cached."""
+        """The train loader as Lightning builds and prepares it in a fit (collective), kept for the
+        checks after this one (`ddp_conformance.kept`): the same class, parts, config and group probe
+        the same loader, and each check's fresh adapter would otherwise run the probe fit again."""
         if self._probe is None or len(self._probe.epochs) < epochs:
-            self._probe = self._run_probe(max(epochs, PROBE_EPOCHS))
+            wanted = max(epochs, PROBE_EPOCHS)
+            ctx = self.ctx
+            key = ("lightning probe", type(self), repr(self.parts), repr(self.config), ctx.rank, ctx.local_rank,
+                   ctx.world_size, ctx.backend, ctx.device, wanted)
+            self._probe, _ = kept_or_run(key, lambda: self._run_probe(wanted))
         return self._probe
 
     def _run_probe(self, epochs: int) -> ProbedEpochs:

@@ -3,8 +3,9 @@
 - The setting is the trainer's: what its DDP reports (`_get_ddp_logging_data`) when it wraps a model
   with the run's config, and what its config says after its own `setup` (the `--ddp-config` file, or
   what the trainer made of it). Nothing is forced on the trainer's verdict.
-- The DDP measured is `wrap`'s, a restatement: a one-step fit shows the setting of the DDP the fit
-  itself builds (`observe.FitRecorder`), and the two must agree. A Lightning `strategy()` that lists
+- The DDP measured is `wrap`'s, a restatement: a one-step fit (the probe other checks share,
+  `shared_fit.probe`) shows the setting of the DDP the fit itself builds (`observe.FitRecorder`),
+  and the two must agree. A Lightning `strategy()` that lists
   the DDP kwargs by hand and drops the flag passes `wrap` and fails here.
 - On (DDP reports it): the gradients must be views into DDP's buckets, and a measured training step
   must hold at least 90% of one gradient copy less than the same step with the flag off; else fail.
@@ -39,9 +40,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...adapter import NotProvided
 from ...config import ModelConfig
+from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
 from ..support.memory import StepMemory, heap_counter, measure_step
-from ..support.progress import guarded_fit
 from .fit_memory import judge_the_fit
 from .grad_views import MIN_GRAD_BYTES, PAIRS, STEPS, fit_keeps_the_views, gradient_bytes, saving_problem
 
@@ -137,11 +138,10 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
         ctx.note("the DDP the fit builds is not compared with wrap's: the ranks share no directory to watch a fit")
         return None
     try:
-        guarded_fit(ctx, "fit-setting", 1, lambda observer: ctx.adapter().fit(1, observer=observer))
+        record = shared_fit.probe(ctx)  # the one-step fit the other checks measure an epoch with
     except NotProvided as exc:
         ctx.note(f"the DDP the fit builds is not compared with wrap's: {exc}")
         return None
-    record = ctx.recordings["fit-setting"]
     fit_flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     ctx.figures["fit_ddp_gradient_as_bucket_view_per_rank"] = fit_flags
     if None in fit_flags or all(flag == bool(own_run.ddp_flag) for flag in fit_flags):

@@ -10,13 +10,13 @@ fits once to the horizon both need, `max(n, 3E + 1)`, writing the checkpoint at 
 the trainer writes it there and nowhere else (`TrainerAdapter.checkpoints_once`), and the other check
 reads what the recorder saw.
 
-Evidence is reused only where it is the same fit:
+Evidence is reused only where it is the same fit (`ddp_conformance.kept` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
   checkpoint cadence it was planned from, and the group's size, backend and device: another trainer
   or configuration never matches;
 - it lives in this rank's process, so a rebuilt pool (fresh rank processes) starts with none;
-- `forget()` drops all of it after any check fails or errors on this rank (`run_check`), since a failed
-  check may leave the process (RNG, files, a half-built trainer) unlike a fresh one;
+- `kept.forget()` drops all of it after any check fails or errors on this rank (`run_check`), since a
+  failed check may leave the process (RNG, files, a half-built trainer) unlike a fresh one;
 - it is reused only when every rank holds it (gathered): ranks that disagreed would run different
   collectives.
 """
@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 from ...adapter import TrainerAdapter, TrainState
 from ...config import RunConfig
-from .check_context import CheckContext, all_gather
+from ...kept import kept_or_run
+from .check_context import CheckContext
 from .observe import FitRecord
 from .progress import Progress, guarded_fit
 from .vacuity import TrainingEvidence
@@ -44,7 +45,6 @@ FORCED_DROPOUT = 0.1
 FIGURE = "shared_fits"
 
 _Evidence = TypeVar("_Evidence")
-_HELD: dict[tuple[Any, ...], Any] = {}  # this rank's evidence, by key
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,6 @@ class ObservedFit:
     progress: list[Progress]  # every rank's, with its TrainingEvidence under extra["evidence"]
     checkpoint_dir: Path | None  # this rank's own directory, holding the checkpoint at k; None: it wrote none
     ran_in: str
-
-
-def forget() -> None:
-    """Drop all evidence this rank holds: after a failure, every check fits afresh."""
-    _HELD.clear()
 
 
 def fit_config(ctx: CheckContext) -> RunConfig:
@@ -164,14 +159,8 @@ def evidence_key(ctx: CheckContext, config: RunConfig, what: str, *plan: Any) ->
 
 
 def held_or_run(ctx: CheckContext, label: str, key: tuple[Any, ...], run: Callable[[], _Evidence]) -> _Evidence:
-    """The evidence under `key` if every rank holds it, else `run()`'s, kept (collective)."""
-    held = _HELD.get(key)
-    said = ctx.figures.setdefault(FIGURE, {})
-    if all(all_gather(held is not None)):
-        said[label] = f"reused from {held.ran_in}"  # type: ignore[union-attr]
-        return held  # type: ignore[return-value]
-    _HELD.pop(key, None)
-    evidence = run()
-    _HELD[key] = evidence
-    said[label] = "ran here"
+    """The evidence kept under `key` if every rank holds it, else `run()`'s, kept (collective); the
+    check's figures say which (`FIGURE`)."""
+    evidence, reused = kept_or_run(key, run)
+    ctx.figures.setdefault(FIGURE, {})[label] = f"reused from {evidence.ran_in}" if reused else "ran here"
     return evidence

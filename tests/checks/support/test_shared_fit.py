@@ -1,5 +1,6 @@
 """Evidence of a shared fit is reused only where it is the same fit: the same trainer, configuration,
-plan and group, in the same rank processes, with no failure since (`checks/support/shared_fit.py`)."""
+plan and group, in the same rank processes, with no failure since (`checks/support/shared_fit.py`,
+kept by `ddp_conformance.kept`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ddp_conformance import kept
 from ddp_conformance.checks.support import shared_fit
 from ddp_conformance.config import RunConfig
 from ddp_conformance.trainers.spec import TrainerSpec
@@ -42,7 +44,7 @@ def test_the_key_tells_apart_every_trainer_configuration_plan_and_group() -> Non
 
 
 def test_held_evidence_is_reused_by_key_and_dropped_after_a_failure() -> None:
-    shared_fit.forget()
+    kept.forget()
     runs: list[str] = []
 
     def run(name: str) -> Any:
@@ -55,14 +57,15 @@ def test_held_evidence_is_reused_by_key_and_dropped_after_a_failure() -> None:
     assert runs == ["first", "other"]
     assert (first.figures["shared_fits"], again.figures["shared_fits"]) == ({"fit": "ran here"},
                                                                            {"fit": "reused from first"})
-    shared_fit.forget()
+    kept.forget()
     assert shared_fit.held_or_run(context(), "fit", ("a",), run("after")).ran_in == "after"
-    shared_fit.forget()
+    kept.forget()
 
 
 TESTS = """
 import pytest
 from types import SimpleNamespace
+from ddp_conformance import kept
 from ddp_conformance.checks.support import shared_fit
 
 def context(ddp):
@@ -90,7 +93,7 @@ def test_3_rebuilt_pool_runs_again(ddp):
 @pytest.mark.ddp(world_size=2)
 def test_4_a_rank_that_lost_it_makes_every_rank_run_again(ddp):
     if ddp.rank == 1:
-        shared_fit.forget()
+        kept.forget()
     assert said(ddp, "4") == "ran here"
 """
 

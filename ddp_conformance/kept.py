@@ -1,0 +1,44 @@
+"""What a rank process keeps between the tests of a session: the evidence of a fit that several checks
+judge (`checks/support/shared_fit.py`), the loader a Lightning probe fit read (`LightningAdapter.probe`).
+
+Everything is kept under a key that names all it depends on (the SPEC, the config, the group), and
+is reused only when every rank still holds it: a rank that ran the collective fit alone would wait
+in it forever. `forget` drops all of it after a check fails or errs on this rank (`run_check`), and a
+rebuilt pool is fresh processes, which hold nothing. No torch at import: the pytest process imports
+this module with `ddp_conformance.checks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_Kept = TypeVar("_Kept")
+_KEPT: dict[tuple[Any, ...], Any] = {}
+
+
+def kept_or_run(key: tuple[Any, ...], run: Callable[[], _Kept]) -> tuple[_Kept, bool]:
+    """(what is kept under `key`, True) where every rank holds it, else (`run()`'s value, now kept,
+    False). Collective in an initialised group: every rank must ask."""
+    held = _KEPT.get(key)
+    if _on_every_rank(held is not None):
+        return held, True
+    _KEPT.pop(key, None)
+    value = run()
+    _KEPT[key] = value
+    return value, False
+
+
+def forget() -> None:
+    """Drop everything this rank keeps: after a failure, every check starts afresh."""
+    _KEPT.clear()
+
+
+def _on_every_rank(flag: bool) -> bool:
+    import torch.distributed as dist  # deferred: the pytest process imports this module, and never calls this
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, flag)
+    return all(everyone)
