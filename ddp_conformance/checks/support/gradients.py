@@ -18,7 +18,7 @@ from .one_world import world_of_one
 
 
 def grads_of(model: Any) -> dict[str, Any]:
-    return {name: (p.grad.detach().double().cpu().clone() if p.grad is not None else None)
+    return {name: (p.grad.detach().to("cpu", torch.float64, copy=True) if p.grad is not None else None)
             for name, p in unwrapped(model).named_parameters() if p.requires_grad}
 
 

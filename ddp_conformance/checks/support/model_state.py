@@ -143,7 +143,7 @@ def digest(tensors: dict[str, Any]) -> str:
         t = tensors[name].detach().cpu().contiguous()
         h.update(name.encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
@@ -161,7 +161,7 @@ def _feed(h: Any, value: Any) -> None:
         t = value.detach().cpu().contiguous()
         h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
         if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
         h.update(f"array {getattr(value, 'dtype', '')} {getattr(value, 'shape', '')};".encode())
         h.update(value.tobytes())

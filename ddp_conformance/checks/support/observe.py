@@ -428,7 +428,8 @@ class FitRecorder:
         if record.first_step is None or record.model is None:
             return
         grads = [p.grad for p in unwrapped(record.model).parameters()]
-        record.first_step.grads = [g.detach().double().cpu().clone() if g is not None else None for g in grads]
+        record.first_step.grads = [g.detach().to("cpu", torch.float64, copy=True) if g is not None else None
+                                   for g in grads]
         record.first_step.micro_batches = record.micro_batches
         record.first_step.rng_drawn = input_digest(self._torch.get_rng_state()) != record.first_rng
 
@@ -626,7 +627,7 @@ def _digest_into(digest: Any, item: Any) -> int:
     how many tensors and arrays it saw."""
 
     if isinstance(item, torch.Tensor):
-        digest.update(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(memoryview(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))  # no copy
         return 1
     if hasattr(item, "__array_interface__") and hasattr(item, "tobytes"):  # a numpy array
         digest.update(item.tobytes())
