@@ -17,6 +17,7 @@ import pytest
 
 from .config import ConfigError, RunConfig, load_config
 from .runner.controller import RunnerSettings
+from .runner.wire import WARMUP
 
 if TYPE_CHECKING:
     from .trainers.spec import TrainerSpec
@@ -240,6 +241,25 @@ def unwritable_reason(path: Path) -> str | None:
     except OSError as exc:
         return f"cannot create a file in {folder} ({exc.strerror or exc})"
     return None
+
+
+def suite_preload(config: pytest.Config) -> tuple[str, ...] | None:
+    """What the conformance suite's ranks will import, when this session runs the suite here (its
+    arguments name `ddp_conformance.suite`, and this is no xdist controller, whose workers run the
+    tests); else None. Known before any SPEC is resolved, so that the ranks' start overlaps it."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return None
+    named = [arg.split("::")[0].removesuffix(".py").replace(os.sep, ".") for arg in config.args]
+    if not any("ddp_conformance.suite" in arg for arg in named):
+        return None
+    # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
+    from .trainers.spec import SpecError
+
+    try:
+        specs = session_trainers(config)
+    except SpecError:  # the validation says why, in one line
+        return None
+    return tuple(dict.fromkeys((*WARMUP, *(name for spec in specs for name in spec.frameworks))))
 
 
 def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:

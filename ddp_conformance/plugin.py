@@ -48,6 +48,9 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         controller = PoolController(settings.runner)
     config.stash[CONTROLLER_KEY] = controller
+    preload = options.suite_preload(config)
+    if preload is not None:  # the suite's ranks start importing while pytest validates and collects
+        controller.expect(preload)
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
         options.validate_trainers_and_config(config, settings)
 

@@ -168,6 +168,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     _ranks_stay_in_step(ctx, n, epoch, figures)
     part: TrainState | None = None
     at_checkpoint: dict[str, Any] = {}
+    if observed.refused is not None:
+        raise observed.refused  # a skip, with the trainer's reason
     if observed.checkpoint_dir is not None:
         checkpoint, written = _checkpoint_on_the_way(ctx, observed, figures)
     else:

@@ -43,6 +43,10 @@ class RunnerSettings:
 
 
 class Controller(Protocol):
+    def expect(self, preload: tuple[str, ...]) -> None:
+        """Distributed tests will follow (the session names trainers to check): start now what every
+        one needs, importing `preload` there, while pytest goes on configuring and collecting."""
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         """The marked tests of the session are known (start what they will need)."""
 

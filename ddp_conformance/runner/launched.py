@@ -71,6 +71,9 @@ class LauncherController:
         self._seen: dict[str, int] = {}
 
     # -- the controller's face (see controller.Controller) ----------------------------------------
+    def expect(self, preload: tuple[str, ...]) -> None:
+        pass  # nothing to start: the launcher started the ranks
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         pass  # nothing to start: the launcher started the ranks
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ...adapter import TrainerAdapter, TrainState
+from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
 from ...kept import kept_or_run
 from .check_context import CheckContext
@@ -68,6 +68,7 @@ class ObservedFit:
     progress: list[Progress]  # every rank's, with its TrainingEvidence under extra["evidence"]
     checkpoint_dir: Path | None  # this rank's own directory, holding the checkpoint at k; None: it wrote none
     ran_in: str
+    refused: NotProvided | None = None  # why the trainer could not checkpoint at k in this fit
 
 
 def fit_config(ctx: CheckContext) -> RunConfig:
@@ -121,18 +122,27 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}" if _checkpoints_on_the_way(adapter) else None
 
     def run() -> ObservedFit:
+        try:
+            return fit(own_dir)
+        except NotProvided as refused:  # a trainer that cannot checkpoint at k: its fit still serves the others
+            if own_dir is None:
+                raise
+            return replace(fit(None), refused=refused)
+
+    def fit(checkpoint_dir: Path | None) -> ObservedFit:
         evidence = TrainingEvidence()
 
         def evidence_of(state: TrainState) -> dict[str, Any]:
             return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
 
-        if own_dir is not None:
-            own_dir.mkdir(parents=True, exist_ok=True)
+        at = k if checkpoint_dir is not None else None
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
         state, progress = guarded_fit(
             ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
-                n, checkpoint_dir=own_dir, checkpoint_at=k if own_dir is not None else None, observer=obs),
-            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=k if own_dir is not None else None)
-        return ObservedFit(config, epoch, k, n, ctx.recordings["uninterrupted"], state, progress, own_dir,
+                n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
+            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at)
+        return ObservedFit(config, epoch, k, n, ctx.recordings["uninterrupted"], state, progress, checkpoint_dir,
                            ctx.check_id)
 
     held = held_or_run(ctx, "uninterrupted", evidence_key(ctx, config, "uninterrupted", epoch, cadence), run)

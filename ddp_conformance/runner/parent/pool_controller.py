@@ -58,6 +58,12 @@ class PoolController:
         self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
 
     # -- the controller's face (see controller.Controller) ----------------------------------------
+    def expect(self, preload: tuple[str, ...]) -> None:
+        """Start the fork server now: its imports (torch, `preload`) overlap pytest's own start (the
+        SPECs it validates import the same frameworks) instead of following collection."""
+        self.preload = tuple(dict.fromkeys((*self.preload, *preload)))
+        self.zygote()
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         """Start the first pools early. Under xdist a worker does not know which tests it will get,
         so it starts only the first shape."""
@@ -68,7 +74,7 @@ class PoolController:
         if sizes:
             self._activate()
             self.longest_timeout = max([self.longest_timeout, *(test.timeout for test in tests)])
-            self.preload = tuple(dict.fromkeys(name for test in tests for name in test.preload))
+            self.preload = tuple(dict.fromkeys((*self.preload, *(name for test in tests for name in test.preload))))
             self.prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
 
     def session_started(self, config: pytest.Config) -> None:
