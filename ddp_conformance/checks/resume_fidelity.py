@@ -275,7 +275,7 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int, figures: dic
     own_dir = ctx.workdir / directory / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
-        k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs))
+        k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
     at_checkpoint = capture_rng_state()
     record = ctx.recordings["until-checkpoint"]
     # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`

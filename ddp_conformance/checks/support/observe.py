@@ -165,7 +165,7 @@ class FitRecord:
     # RandomSampler's seed): every loader without a generator makes those, whatever the trainer does
     rng_consumed: bool | None = None
     rng_trail: list[RngMark] = field(default_factory=list)  # per micro-batch, the first TRACED_RNG
-    step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps
+    step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps (on request)
     # whether every gradient the first optimizer step of a DDP model applied was a view (into DDP's
     # buckets, with gradient_as_bucket_view); None: no such step
     grads_were_views: bool | None = None
@@ -220,14 +220,17 @@ class FitRecorder:
 
     def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
                  all_inputs: bool = False, keep_batches: bool = False,
-                 on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None) -> None:
+                 on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
+                 digest_steps: bool = False) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
         the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
         another fit's parameters sets them there). `snapshot_at=k`: keep the fit's state right after
-        optimizer step k (`StepSnapshot`)."""
+        optimizer step k (`StepSnapshot`). `digest_steps`: digest the parameters after each of the first
+        DIGESTED_STEPS steps (`FitRecord.step_digests`; 40 ms a step for 58 MB of parameters)."""
         self.record = FitRecord()
+        self._digest_steps = digest_steps
         self._snapshot_at = snapshot_at
         self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
@@ -439,7 +442,7 @@ class FitRecorder:
         if record.grads_were_views is None and record.ddp is not None and record.model is not None:
             grads = [p.grad for p in record.model.parameters() if p.grad is not None]
             record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
-        if record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
+        if self._digest_steps and record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
         if optimizer is record.optimizer:
             self._lead_steps += 1

@@ -104,7 +104,7 @@ def probe(ctx: CheckContext) -> FitRecord:
     config = fit_config(ctx)
 
     def run() -> Probe:
-        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs))
+        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs), digest_steps=True)
         return Probe(ctx.recordings["probe"], ctx.check_id)
 
     held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
@@ -141,7 +141,7 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
         state, progress = guarded_fit(
             ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
                 n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
-            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at)
+            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True)
         return ObservedFit(config, epoch, k, n, ctx.recordings["uninterrupted"], state, progress, checkpoint_dir,
                            ctx.check_id)
 

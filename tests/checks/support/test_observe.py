@@ -428,3 +428,34 @@ def test_the_trainer_s_rng_draws_are_told_from_a_dataloader_s_own(dropout, randi
     assert [m.steps for m in trail] == list(range(12))
     assert [m.loader_drew for m in trail] == [True, False, False, False] * 3
     assert trail[0].rng == record.first_rng and len({m.rng for m in trail}) == (12 if drew else 3)
+
+
+def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimizer_ends_the_step():
+    """Digesting 58 MB of parameters takes 40 ms a step, so only the fits that compare steps ask
+    (`digest_steps`); the snapshot at step k holds the state after every optimizer of that iteration."""
+    import torch
+    from torch import nn
+
+    from ddp_conformance.checks.support.observe import FitRecorder
+
+    def fit(recorder_kwargs: dict) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+        after: list[dict] = []
+        with FitRecorder(**recorder_kwargs) as recorder:
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+                first.step()
+                second.step()
+                after.append({k: v.clone() for k, v in model.state_dict().items()})
+        return recorder.record, after
+
+    plain, _ = fit({})
+    assert plain.step_digests == [] and plain.snapshot is None
+    record, after = fit({"digest_steps": True, "snapshot_at": 2})
+    assert len(record.step_digests) == 6 and len(set(record.step_digests)) == 6  # every optimizer's step
+    snapshot = record.snapshot
+    assert snapshot is not None and snapshot.step == 2 and snapshot.micro_batches == 2
+    assert all(torch.equal(snapshot.state[k], v) for k, v in after[1].items())  # after both optimizers of step 2
