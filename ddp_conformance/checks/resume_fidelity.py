@@ -5,12 +5,16 @@ relative beyond: see `tolerance`); and only rank 0 wrote checkpoint files.
 
 Steps. E = optimizer steps in one epoch of the real training loader (a one-step probe fit); k lies
 in the second epoch (mid-epoch, E + E//2 + 1, or where the adapter's declared `checkpoint_every`
-allows: "epoch" or every N steps) and n = k + E, so a resume that restores the position but not the
-epoch shows and the resumed part crosses an epoch boundary. Runs, each a guarded fit
-(`progress.py`, so a hang is named, not waited out): F = fit(n); P = fit(k) writing its checkpoint
-at k; R = resume(P's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank-specific
-value (a restart never inherits the RNG). The model gets dropout 0.1 if the config has none,
-otherwise a missing RNG state could not show.
+allows: "epoch" or every N steps) and n = max(k + E, 3E + 1), so a resume that restores the position
+but not the epoch shows and the resumed part crosses an epoch boundary. Runs, each a guarded fit
+(`progress.py`, so a hang is named, not waited out): F = fit(n) writing its checkpoint at k on the
+way, the fit sampler_disjointness judges too (`support/shared_fit.py`: run once for both); R =
+resume(F's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank-specific value (a
+restart never inherits the RNG). The model gets dropout 0.1 if the config has none, otherwise a
+missing RNG state could not show. F's recorder keeps its state and RNG right after step k
+(`observe.StepSnapshot`), which the diagnosis of a resume that differs reads. A trainer whose `k` is
+an interval it saves at again (a `script:` SPEC, `checkpoints_once = False`) checkpoints instead in
+a fit of its own, P = fit(k), whose state and RNG the diagnosis reads.
 
 Who wrote the checkpoint: every rank passes its *own* directory as `checkpoint_dir`
 (`ckpt/rank<r>`). A file can only appear under `ckpt/rank1` if rank 1's process wrote it, so after
@@ -25,9 +29,9 @@ epoch's last short accumulation window, parameters unfrozen after DDP was built,
 
 Before anything is compared, the uninterrupted fit must have trained (`vacuity.py`): a fit whose
 gradients are all exactly zero resumes "bitwise" whatever its checkpoint holds, so the check skips,
-naming rank_participation, whose verdict a fit that never trains is; and the two fits
-from scratch must agree at step k (the recorder digests the parameters after every step), or the
-fit is not reproducible and no resume can be judged. A resumed fit whose first batch draws from the
+naming rank_participation, whose verdict a fit that never trains is; and two fits from scratch
+(the probe and F; P and F up to k) must agree (the recorder digests the parameters after every
+step), or the fit is not reproducible and no resume can be judged. A resumed fit whose first batch draws from the
 RNG a fresh fit starts with has re-seeded on start, which is named as such.
 
 Diagnosis: every cause the evidence tells apart, each on the ranks that have it (each rank compares
@@ -177,6 +181,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     unreproducible = _not_reproducible(ctx, "probe", 1)
     if unreproducible:
         raise ctx.fail(unreproducible, **figures)
+    taken = ctx.recordings["until-checkpoint"].optimizer_steps if part is not None else k
+    if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
+        ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
     _disturb_rng(ctx.rank)
     first = _FirstStepWeights()
     resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
@@ -189,9 +196,6 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if any(all_gather(bool(found))):
         if part is None:  # the state the shared fit checkpointed, and the RNG as it was there
             part, written, at_checkpoint = _at_checkpoint(ctx, observed, full, written)
-        taken = ctx.recordings["until-checkpoint"].optimizer_steps if "until-checkpoint" in ctx.recordings else k
-        if taken != k:  # its final state is not what it checkpointed at k: no weights can be compared with it
-            ctx.note(f"fit({k}) took {taken} optimizer steps, so the checkpointed weights are not its final ones")
         weights = first.weights if all(all_gather(taken == k)) else None
         statics = all_gather(_diagnose(found, full, part, weights, checkpoint, n, k) if found else [])
         verdict = _rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n) or _follows_all(statics)
@@ -201,9 +205,6 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                                      other_causes=any(statics))
             verdict = _verdict(statics, rng, [data] * ctx.world_size)
         raise ctx.fail(verdict, **figures)
-    if part is not None and ctx.recordings["until-checkpoint"].optimizer_steps != k:
-        ctx.note(f"fit({k}) took {ctx.recordings['until-checkpoint'].optimizer_steps} optimizer steps, so the "
-                 "checkpointed weights are not its final ones")
     own_dir = observed.checkpoint_dir or ctx.workdir / "ckpt" / f"rank{ctx.rank}"
     _only_rank_zero_writes(ctx, written, checkpoint, own_dir.parent / "rank0", figures)
     figures["summary"] = (f"bitwise @{n} (ckpt @{k})" if exact
@@ -267,12 +268,12 @@ def _at_checkpoint(ctx: CheckContext, observed: ObservedFit, full: TrainState,
     return part, [(*w[:4], *theirs) for w, theirs in zip(written, all_gather(mine), strict=True)], snapshot.rng
 
 
-def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int, figures: dict[str, Any],
-                      directory: str = "ckpt") -> tuple[TrainState, Path, list[Any], dict[str, Any]]:
+def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
+                      figures: dict[str, Any]) -> tuple[TrainState, Path, list[Any], dict[str, Any]]:
     """fit(k) checkpointing at k into this rank's own directory: its state, rank 0's checkpoint file,
     what every rank wrote (files, checkpoint, parameter digest, the tensors stepped outside the model,
     buffer digest, buffer names), and the RNG state it left."""
-    own_dir = ctx.workdir / directory / f"rank{ctx.rank}"
+    own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
     part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
