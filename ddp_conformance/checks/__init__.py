@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from .. import kept
 from ..adapter import NotProvided, named
 from ..config import RunConfig
 from ..trainers.spec import TrainerSpec
+from .support import kept
 from .support.check_context import CheckContext, CheckFailed, hide_on_verdict
 
 #: the check ids, in the order the suite runs them and the report shows them

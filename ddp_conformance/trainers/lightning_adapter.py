@@ -67,7 +67,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..adapter import FitObserver, NotProvided, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import RunConfig
-from ..kept import kept_or_run
 from ..resumable import capture_rng_state, restore_rng_state
 from ..runner.rank import fault_handlers
 from .lightning_parts import LightningParts
@@ -451,15 +450,12 @@ class LightningAdapter(TrainerAdapter):
     # --- data: observed in a probe fit --------------------------------------------------------------
 
     def probe(self, epochs: int = PROBE_EPOCHS) -> ProbedEpochs:
-        """The train loader as Lightning builds and prepares it in a fit (collective), kept for the
-        checks after this one (`ddp_conformance.kept`): the same class, parts, config and group probe
-        the same loader, and each check's fresh adapter would otherwise run the probe fit again."""
+        """The train loader as Lightning builds and prepares it in a fit (collective), cached by this
+        adapter only: its data is built from the rank's RNG as the calling check left it (data_consistency
+        reseeds every rank first), so a probe kept from an earlier check, whose fits seeded every rank
+        alike, would hide data generated without a seed (fixture `lightning_unseeded_data`)."""
         if self._probe is None or len(self._probe.epochs) < epochs:
-            wanted = max(epochs, PROBE_EPOCHS)
-            ctx = self.ctx
-            key = ("lightning probe", type(self), repr(self.parts), repr(self.config), ctx.rank, ctx.local_rank,
-                   ctx.world_size, ctx.backend, ctx.device, wanted)
-            self._probe, _ = kept_or_run(key, lambda: self._run_probe(wanted))
+            self._probe = self._run_probe(max(epochs, PROBE_EPOCHS))
         return self._probe
 
     def _run_probe(self, epochs: int) -> ProbedEpochs:

@@ -10,7 +10,7 @@ fits once to the horizon both need, `max(n, 3E + 1)`, writing the checkpoint at 
 the trainer writes it there and nowhere else (`TrainerAdapter.checkpoints_once`), and the other check
 reads what the recorder saw.
 
-Evidence is reused only where it is the same fit (`ddp_conformance.kept` keeps it):
+Evidence is reused only where it is the same fit (`kept.py` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
   checkpoint cadence it was planned from, and the group's size, backend and device: another trainer
   or configuration never matches;
@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
-from ...kept import kept_or_run
 from .check_context import CheckContext
+from .kept import kept_or_run
 from .observe import FitRecord
 from .progress import Progress, guarded_fit
 from .vacuity import TrainingEvidence

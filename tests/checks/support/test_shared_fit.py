@@ -1,6 +1,6 @@
 """Evidence of a shared fit is reused only where it is the same fit: the same trainer, configuration,
 plan and group, in the same rank processes, with no failure since (`checks/support/shared_fit.py`,
-kept by `ddp_conformance.kept`)."""
+kept by `checks/support/kept.py`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance import kept
-from ddp_conformance.checks.support import shared_fit
+from ddp_conformance.checks.support import kept, shared_fit
 from ddp_conformance.config import RunConfig
 from ddp_conformance.trainers.spec import TrainerSpec
 
@@ -65,7 +64,7 @@ def test_held_evidence_is_reused_by_key_and_dropped_after_a_failure() -> None:
 TESTS = """
 import pytest
 from types import SimpleNamespace
-from ddp_conformance import kept
+from ddp_conformance.checks.support import kept
 from ddp_conformance.checks.support import shared_fit
 
 def context(ddp):

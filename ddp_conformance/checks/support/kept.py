@@ -1,5 +1,5 @@
 """What a rank process keeps between the tests of a session: the evidence of a fit that several checks
-judge (`checks/support/shared_fit.py`), the loader a Lightning probe fit read (`LightningAdapter.probe`).
+judge (`checks/support/shared_fit.py`).
 
 Everything is kept under a key that names all it depends on (the SPEC, the config, the group), and
 is reused only when every rank still holds it: a rank that ran the collective fit alone would wait
