@@ -169,10 +169,11 @@ class TrainerAdapter:
     #: when `fit(checkpoint_at=k)` can write a checkpoint: None (at any optimizer step), "epoch" (only
     #: at epoch ends), or N (every N steps); resume_fidelity picks k accordingly
     checkpoint_every: int | str | None = None
-    #: whether `fit(steps, checkpoint_at=k)` writes its checkpoint at step k and at no other; False where
-    #: k is an interval the trainer saves at again (2k, 3k...): resume_fidelity then checkpoints in a fit
-    #: of its own that ends at k, instead of in the long fit it shares with sampler_disjointness
-    checkpoints_once: bool = True
+    #: whether `fit(steps, checkpoint_at=k)` writes its checkpoint at step k and at no other step: then
+    #: resume_fidelity takes it from the long fit it shares with sampler_disjointness. False (the
+    #: default) where k may be an interval the trainer saves at again (2k, 3k...), as a loop with a
+    #: `checkpoint_every` often is: resume_fidelity then checkpoints in a fit of its own that ends at k
+    checkpoints_once: bool = False
     #: whether the trainer trains as the run config says; False for a trainer that only runs its own
     #: command line (a `script:` SPEC): the harness's notes on the config are then not about it
     takes_config: bool = True

@@ -13,7 +13,7 @@ resume(F's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank
 restart never inherits the RNG). The model gets dropout 0.1 if the config has none, otherwise a
 missing RNG state could not show. F's recorder keeps its state and RNG right after step k
 (`observe.StepSnapshot`), which the diagnosis of a resume that differs reads. A trainer whose `k` is
-an interval it saves at again (a `script:` SPEC, `checkpoints_once = False`) checkpoints instead in
+an interval it may save at again (`checkpoints_once` False, the default; every `script:` SPEC) checkpoints in
 a fit of its own, P = fit(k), whose state and RNG the diagnosis reads.
 
 Who wrote the checkpoint: every rank passes its *own* directory as `checkpoint_dir`

@@ -395,6 +395,8 @@ class LightningAdapter(TrainerAdapter):
 
     name = "lightning-module"
 
+    checkpoints_once = True  # StepCheckpoint saves right after step k and at no other
+
     def __init__(self, parts: LightningParts | None = None) -> None:
         self.parts = parts
         if parts is not None:

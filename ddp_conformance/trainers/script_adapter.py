@@ -211,7 +211,6 @@ class ScriptAdapter(TrainerAdapter):
     """Runs the SPEC's command lines as the trainer's fit and resume."""
 
     takes_config = False  # the script reads its command line; the run config's devices etc. do not reach it
-    checkpoints_once = False  # `{checkpoint_at}` often fills an interval flag (--save-every, --eval_interval)
 
     def __init__(self, spec: str, base: Path) -> None:
         self.spec = spec

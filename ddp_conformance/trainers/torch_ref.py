@@ -202,6 +202,7 @@ class TorchTrainer(ReferenceData, TrainerAdapter):
 
     name = "torch"
     reduction = "mean"
+    checkpoints_once = True  # fit writes its checkpoint when global_step == checkpoint_at, at no other step
 
     def setup(self, config: RunConfig, ctx: RankContext) -> None:
         super().setup(config, ctx)

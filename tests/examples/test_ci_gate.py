@@ -60,7 +60,7 @@ def test_faulty_trainers_get_one_clear_line_and_the_session_goes_on(pytester: py
     # the thing at fault is named: the trainer, the call, the checkpoint file
     result.stdout.fnmatch_lines(
         ["2 of 2 ranks failed: ranks 0, 1 failed: AdapterError: trainer truncated_checkpoint: resume raised *"])
-    assert any("AdapterError" in line and "(called as resume(" in line and ".pt, 21)" in line
+    assert any("AdapterError" in line and "(called as resume(" in line and ".pt, 25)" in line
                for line in result.stdout.lines), out
     result.stdout.fnmatch_lines(
         ["2 of 2 ranks failed: ranks 0, 1 failed: AdapterError: trainer raising_adapter: * raised KeyError: "

@@ -156,10 +156,11 @@ def _adapter(ctx: CheckContext, config: RunConfig) -> TrainerAdapter:
 
 
 def _checkpoints_on_the_way(adapter: Any) -> bool:
-    """Whether the long fit can write resume_fidelity's checkpoint: the trainer resumes, and writes
-    the checkpoint at k only (a script's `--save-every {checkpoint_at}` would write it again at 2k)."""
+    """Whether the long fit can write resume_fidelity's checkpoint: the trainer resumes, and says it
+    writes the checkpoint at k only (a loop that saves every `checkpoint_at` steps, or a script's
+    `--save-every {checkpoint_at}`, would write it again at 2k)."""
     resumes = type(adapter).resume is not TrainerAdapter.resume
-    return resumes and bool(getattr(adapter, "checkpoints_once", True))
+    return resumes and bool(getattr(adapter, "checkpoints_once", False))
 
 
 def evidence_key(ctx: CheckContext, config: RunConfig, what: str, *plan: Any) -> tuple[Any, ...]:
