@@ -60,7 +60,9 @@ class PoolController:
     # -- the controller's face (see controller.Controller) ----------------------------------------
     def expect(self, preload: tuple[str, ...]) -> None:
         """Start the fork server now: its imports (torch, `preload`) overlap pytest's own start (the
-        SPECs it validates import the same frameworks) instead of following collection."""
+        SPECs it validates import the same frameworks) instead of following collection. Activated first,
+        as before any pool: a SIGTERM while pytest still configures must unwind it and close the zygote."""
+        self._activate()
         self.preload = tuple(dict.fromkeys((*self.preload, *preload)))
         self.zygote()
 
