@@ -76,7 +76,7 @@ from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .support.observe import FitRecord, unwrapped
+from .support.observe import FitRecord, buffer_names
 from .support.progress import epoch_steps, guarded_fit
 from .support.shared_fit import ObservedFit
 from .support.vacuity import skip_as_vacuous, vacuity_verdict
@@ -165,7 +165,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     exact = rtol == 0.0
     figures: dict[str, Any] = {
         "checkpoint_step": k, "final_step": n, "epoch_steps": epoch,
-        "checkpoint_cadence": getattr(ctx.factory(), "checkpoint_every", None) or "any step",
+        "checkpoint_cadence": observed.cadence or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
     full = _uninterrupted(ctx, observed, figures)
@@ -247,11 +247,16 @@ def _checkpoint_on_the_way(ctx: CheckContext, observed: ObservedFit,
     own_dir, k = observed.checkpoint_dir, observed.checkpoint_step
     assert own_dir is not None
     steps = observed.record.step_digests
-    state = observed.state
-    written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
-                          str(state.checkpoint) if state.checkpoint else _newest_file(own_dir),
-                          steps[k - 1] if len(steps) >= k else None, observed.record.outside_digests()))
+    written = all_gather((*_files_and_checkpoint(own_dir, observed.state), steps[k - 1] if len(steps) >= k else None,
+                          observed.record.outside_digests()))
     return _judged_checkpoint(ctx, written, f"fit({observed.horizon}, checkpoint_at={k})", figures), written
+
+
+def _files_and_checkpoint(own_dir: Path, state: TrainState) -> tuple[list[str], str | None]:
+    """The files this rank's fit wrote into its own checkpoint directory, and the checkpoint it names
+    (else the newest file there)."""
+    files = sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file())
+    return files, str(state.checkpoint) if state.checkpoint else _newest_file(own_dir)
 
 
 def _at_checkpoint(ctx: CheckContext, observed: ObservedFit, full: TrainState,
@@ -279,13 +284,9 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
         k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
     at_checkpoint = capture_rng_state()
     record = ctx.recordings["until-checkpoint"]
-    # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`
-    named = unwrapped(record.model).named_buffers() if record.model is not None else ()
-    buffer_names = [name.removeprefix("_forward_module.") for name, _ in named]
-    written = all_gather((sorted(str(p.relative_to(own_dir)) for p in own_dir.rglob("*") if p.is_file()),
-                          str(part.checkpoint) if part.checkpoint else _newest_file(own_dir),
-                          digest(parameters(part.params)), record.outside_digests(),
-                          digest(buffers(part.params, buffer_names)), buffer_names))
+    names = buffer_names(record.model)
+    written = all_gather((*_files_and_checkpoint(own_dir, part), digest(parameters(part.params)),
+                          record.outside_digests(), digest(buffers(part.params, names)), names))
     checkpoint = _judged_checkpoint(ctx, written, f"fit({k}, checkpoint_at={k})", figures)
     unreproducible = _not_reproducible(ctx, "until-checkpoint", k)
     if unreproducible:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .check_context import all_gather
+
 _Kept = TypeVar("_Kept")
 _KEPT: dict[tuple[Any, ...], Any] = {}
 
@@ -21,7 +23,7 @@ def kept_or_run(key: tuple[Any, ...], run: Callable[[], _Kept]) -> tuple[_Kept, 
     """(what is kept under `key`, True) where every rank holds it, else (`run()`'s value, now kept,
     False). Collective in an initialised group: every rank must ask."""
     held = _KEPT.get(key)
-    if _on_every_rank(held is not None):
+    if all(all_gather(held is not None)):
         return held, True
     _KEPT.pop(key, None)
     value = run()
@@ -32,13 +34,3 @@ def kept_or_run(key: tuple[Any, ...], run: Callable[[], _Kept]) -> tuple[_Kept, 
 def forget() -> None:
     """Drop everything this rank keeps: after a failure, every check starts afresh."""
     _KEPT.clear()
-
-
-def _on_every_rank(flag: bool) -> bool:
-    import torch.distributed as dist  # deferred: the pytest process imports this module, and never calls this
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, flag)
-    return all(everyone)

@@ -504,12 +504,20 @@ class FitRecorder:
 
 
 def _snapshot(record: FitRecord, step: int) -> StepSnapshot:
-    # a Lightning module sits inside DDP inside Lightning's wrapper, as `_forward_module`
     model = unwrapped(record.model)
-    state = {name.removeprefix("_forward_module."): value.detach().cpu().clone()
-             for name, value in model.state_dict().items()}
-    names = [name.removeprefix("_forward_module.") for name, _ in model.named_buffers()]
-    return StepSnapshot(step, record.micro_batches, state, names, capture_rng_state())
+    state = {trainer_name(name): value.detach().cpu().clone() for name, value in model.state_dict().items()}
+    return StepSnapshot(step, record.micro_batches, state, buffer_names(record.model), capture_rng_state())
+
+
+def trainer_name(name: str) -> str:
+    """A tensor's name in the model the micro-batches ran through, as the trainer names it: a Lightning
+    module sits inside DDP inside Lightning's wrapper, as `_forward_module`."""
+    return name.removeprefix("_forward_module.")
+
+
+def buffer_names(model: Any) -> list[str]:
+    """The buffers of the model the micro-batches ran through (none for no model), as the trainer names them."""
+    return [trainer_name(name) for name, _ in unwrapped(model).named_buffers()] if model is not None else []
 
 
 class _Yields:

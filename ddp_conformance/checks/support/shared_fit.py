@@ -60,6 +60,7 @@ class ObservedFit:
     """One uninterrupted fit from scratch to `horizon` steps, as every rank's recorder saw it."""
 
     config: RunConfig  # what it ran with (dropout forced on)
+    cadence: int | str | None  # the trainer's `checkpoint_every`, which k was planned from
     epoch_steps: int
     checkpoint_step: int  # k: resume_fidelity's checkpoint
     horizon: int  # its steps: resume_fidelity's n, and one step past sampler_disjointness's whole epochs
@@ -142,8 +143,8 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
             ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
                 n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
             inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True)
-        return ObservedFit(config, epoch, k, n, ctx.recordings["uninterrupted"], state, progress, checkpoint_dir,
-                           ctx.check_id)
+        return ObservedFit(config, cadence, epoch, k, n, ctx.recordings["uninterrupted"], state, progress,
+                           checkpoint_dir, ctx.check_id)
 
     held = held_or_run(ctx, "uninterrupted", evidence_key(ctx, config, "uninterrupted", epoch, cadence), run)
     ctx.recordings["uninterrupted"] = held.record
