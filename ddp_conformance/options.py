@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .trainers.spec import TrainerSpec
 
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_WORLD_SIZE = 2
 DEFAULT_TIMEOUT = 120.0
 
@@ -36,6 +37,7 @@ class Settings:
     timeout: float
     start_timeout: float
     rank_threads: int | None
+    device: str = "auto"
     trainers: tuple[str, ...] = ("torch", "lightning")
     config_path: str | None = None
     report_path: str | None = None
@@ -45,7 +47,7 @@ class Settings:
     def runner(self) -> RunnerSettings:
         """The options the runner acts on, as its own input type (the runner imports nothing above it)."""
         return RunnerSettings(backend=self.backend, timeout=self.timeout, start_timeout=self.start_timeout,
-                              rank_threads=self.rank_threads)
+                              rank_threads=self.rank_threads, device=self.device)
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -91,6 +93,11 @@ def add_options(parser: pytest.Parser) -> None:
         help="process-group backend; auto picks nccl when CUDA has at least N GPUs, else gloo.",
     )
     group.addoption(
+        "--ddp-device", dest="ddp_device", default=None, metavar="{auto,cpu,cuda}",
+        help="where ranks work: auto (GPUs under nccl, the CPU under gloo), cpu, or cuda (GPUs under gloo too, "
+        "shared when there are fewer GPUs than ranks).",
+    )
+    group.addoption(
         "--ddp-timeout", dest="ddp_timeout", default=None, metavar="SECONDS",
         help=f"wall-clock limit of one distributed test (default {DEFAULT_TIMEOUT:g}).",
     )
@@ -120,6 +127,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
     parser.addini("ddp_backend", "default --ddp-backend", default=None)
+    parser.addini("ddp_device", "default --ddp-device", default=None)
     parser.addini("ddp_timeout", "default --ddp-timeout", default=None)
     parser.addini("ddp_rank_threads", "default --ddp-rank-threads", default=None)
     parser.addini("ddp_start_timeout", "default --ddp-start-timeout", default=None)
@@ -173,6 +181,7 @@ def read_settings(config: pytest.Config) -> Settings:
     backend = (raw or "auto").strip().lower()
     if backend not in BACKENDS:
         raise pytest.UsageError(f"{where}: expected one of {', '.join(BACKENDS)}, got {raw!r}")
+    device = _device(config, backend)
     timeout = _seconds(config, "ddp_timeout", DEFAULT_TIMEOUT)
     start_timeout = _seconds(config, "ddp_start_timeout", max(timeout, 60.0))
     threads = _int(config, "ddp_rank_threads", 1, None)
@@ -188,8 +197,19 @@ def read_settings(config: pytest.Config) -> Settings:
     # file exists
     spec_base = config.invocation_params.dir if typed else config.rootpath
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
-                    rank_threads=threads, trainers=trainers, config_path=_path(config, "ddp_config"),
+                    rank_threads=threads, device=device, trainers=trainers, config_path=_path(config, "ddp_config"),
                     report_path=_path(config, "ddp_report"), spec_base=str(spec_base))
+
+
+def _device(config: pytest.Config, backend: str) -> str:
+    raw, where = _raw(config, "ddp_device")
+    device = (raw or "auto").strip().lower()
+    if device not in DEVICES:
+        raise pytest.UsageError(f"{where}: expected one of {', '.join(DEVICES)}, got {raw!r}")
+    if device == "cpu" and backend == "nccl":
+        raise pytest.UsageError(f"{where}: cpu cannot run with --ddp-backend nccl, which runs on GPUs only; "
+                                "expected cuda or auto, or --ddp-backend gloo")
+    return device
 
 
 def _path(config: pytest.Config, name: str) -> str | None:

@@ -150,10 +150,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     random.setstate(_as_python_state(state["python"]))
     numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].cpu().numpy().astype(np.uint32),
                          numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([part.cpu() for part in state["cuda"]])
 
 
 def _as_python_state(value: Any) -> Any:

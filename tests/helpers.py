@@ -44,6 +44,11 @@ class _LiveRanks:
         return owner is not None and not Path(f"/proc/{owner}").exists()
 
 
+def is_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a container's PID 1 may never reap an orphan)."""
+    return not _is_zombie(pid)
+
+
 def _is_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"

@@ -40,6 +40,7 @@ class RunnerSettings:
     timeout: float  # a distributed test's default limit in seconds
     start_timeout: float  # the limit for a pool's ranks to start and meet
     rank_threads: int | None  # intra-op threads per rank; None: the inherited OMP_NUM_THREADS
+    device: str = "auto"  # auto, cpu or cuda: where ranks work (`parent.backend.choose_backend`)
 
 
 class Controller(Protocol):

@@ -60,7 +60,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
@@ -428,6 +428,16 @@ class LightningAdapter(TrainerAdapter):
         """Lightning's DDPStrategy with the run's DDP kwargs (it passes them on to DDP)."""
         return DDPStrategy(**self.ddp_kwargs())
 
+    def parallel_devices(self) -> list[torch.device] | None:
+        """Each local rank's GPU, None on the CPU. Given to the strategy because `Trainer(devices=N)` cannot
+        say that ranks share a GPU (gloo with fewer GPUs than ranks: rank i on GPU i mod n, as
+        `runner.rank.ddp_context.rank_device` places them), and Lightning keeps a strategy's own. Set on
+        whatever `strategy()` returns, so a subclass's strategy (the reference's) gets them too."""
+        if self.device.type != "cuda":
+            return None
+        gpus = max(torch.cuda.device_count(), 1)
+        return [torch.device("cuda", i % gpus) for i in range(self.ctx.world_size // self.ctx.num_nodes)]
+
     def ddp_kwargs(self) -> dict[str, Any]:
         """The DDP kwargs of the fits and of `wrap`: the run config's, and those of a DDPStrategy in the
         factory's Trainer arguments that the config does not set (`merged_ddp_kwargs`); cached."""
@@ -593,9 +603,13 @@ class LightningAdapter(TrainerAdapter):
         plugins = [*_as_list(kwargs.pop("plugins", [])), *self.plugins()]
         trainer = self.config.trainer
         cuda = self.device.type == "cuda"
+        strategy, devices = self.strategy(), self.parallel_devices()
+        if devices and isinstance(strategy, ParallelStrategy) and not strategy.parallel_devices:
+            strategy.parallel_devices = devices
         return pl.Trainer(**{
-            **kwargs, "accelerator": "gpu" if cuda else "cpu", "devices": self.ctx.world_size // self.ctx.num_nodes,
-            "num_nodes": self.ctx.num_nodes, "strategy": self.strategy(), "precision": trainer.precision,
+            **kwargs, "accelerator": "gpu" if cuda else "cpu",
+            "devices": len(set(devices or ())) or self.ctx.world_size // self.ctx.num_nodes,
+            "num_nodes": self.ctx.num_nodes, "strategy": strategy, "precision": trainer.precision,
             "sync_batchnorm": trainer.sync_batchnorm and cuda,
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "max_epochs": -1, "limit_val_batches": 0, "num_sanity_val_steps": 0, "logger": False,

@@ -277,7 +277,9 @@ class TorchTrainer(ReferenceData, TrainerAdapter):
 
     def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The gradient computation of one optimizer step on `batch`: split into
-        `accumulate_grad_batches` micro-batches, all but the last under no_sync."""
+        `accumulate_grad_batches` micro-batches, all but the last under no_sync. The gradients are the
+        true ones: under 16-mixed the GradScaler's loss scale is divided out, as `scaler.step` (or
+        `scaler.unscale_` before clipping) does in the fit (a power of two: exact)."""
         parts = split_batch(batch, self.config.trainer.accumulate_grad_batches)
         total = torch.zeros(())
         for i, micro in enumerate(parts):
@@ -286,6 +288,11 @@ class TorchTrainer(ReferenceData, TrainerAdapter):
                 self.backward(loss / len(parts))
             self.after_backward(model)
             total += loss.detach().float().cpu() / len(parts)
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(scale)
         return total
 
     # --- training --------------------------------------------------------------------------------

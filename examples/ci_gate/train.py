@@ -36,7 +36,8 @@ def build_model() -> nn.Module:
 
 def compute_loss(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     _, x, y = batch
-    return F.cross_entropy(model(x), y)
+    device = next(model.parameters()).device  # the rank's GPU under nccl, the CPU under gloo
+    return F.cross_entropy(model(x.to(device)), y.to(device))
 
 
 def train(model, optimizer, dataset, rank, world_size, step, until, checkpoint_every=0, checkpoint_dir=None) -> int:

@@ -45,7 +45,13 @@ zygote.Zygote.__init__ = _refuse
 """
 
 
-def test_nccl_without_gpus_is_skipped_in_the_parent(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize(("args", "reason"), [
+    (("--ddp-backend", "nccl"), "nccl needs 4 GPUs, found 0"),
+    (("--ddp-device", "cuda"), "--ddp-device cuda: no CUDA device is visible here (found 0)"),
+])
+def test_gpus_asked_for_and_missing_skip_in_the_parent(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], reason: str
+) -> None:
     pytester.makeconftest(NEVER_SPAWN)
     pytester.makepyfile(
         """
@@ -56,12 +62,10 @@ def test_nccl_without_gpus_is_skipped_in_the_parent(pytester: pytest.Pytester) -
             raise AssertionError("must not run")
         """
     )
-    env_gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env_gpus not in (None, ""):
-        pytest.skip("this machine exposes GPUs; the skip path needs a machine without them")
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", "--ddp-backend", "nccl")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, on a GPU runner too
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", *args)
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*SKIPPED*nccl needs 4 GPUs, found 0*"])
+    result.stdout.fnmatch_lines([f"*SKIPPED*{reason}*"])
 
 
 def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, session_tmpdir: Path) -> None:

@@ -18,6 +18,9 @@ def test_help_lists_the_group(pytester: pytest.Pytester) -> None:
         (["--ddp-world-size", "-1"], "--ddp-world-size: expected an integer >= 1, got -1"),
         (["--ddp-world-size", "abc"], "--ddp-world-size: expected an integer >= 1, got 'abc'"),
         (["--ddp-backend", "mpi"], "--ddp-backend: expected one of auto, gloo, nccl, got 'mpi'"),
+        (["--ddp-device", "gpu"], "--ddp-device: expected one of auto, cpu, cuda, got 'gpu'"),
+        (["--ddp-device", "cpu", "--ddp-backend", "nccl"], "--ddp-device: cpu cannot run with --ddp-backend "
+         "nccl, which runs on GPUs only; expected cuda or auto, or --ddp-backend gloo"),
         (["--ddp-timeout", "-3"], "--ddp-timeout: expected a number of seconds > 0, got '-3'"),
         (["--ddp-timeout", "soon"], "--ddp-timeout: expected a number of seconds > 0, got 'soon'"),
     ],

@@ -22,10 +22,11 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Placement:
-    """A decided backend, or the reason the test must be skipped instead."""
+    """A decided backend and the device kind its ranks work on, or the reason the test must be skipped."""
 
     backend: str
     skip_reason: str | None = None
+    device: str = "cpu"  # "cpu" or "cuda"
 
 
 def _gpu_device_nodes() -> bool:
@@ -46,19 +47,27 @@ def probe_hardware() -> Hardware:
     return Hardware(cuda_devices=tuple(names), nccl_available=dist.is_available() and dist.is_nccl_available())
 
 
-def choose_backend(requested: str, world_size: int, hw: Hardware) -> Placement:
+def choose_backend(requested: str, world_size: int, hw: Hardware, device: str = "auto") -> Placement:
     """auto: nccl when there is one GPU per rank, else gloo. An explicit nccl that cannot run is a skip
-    whose reason says what is missing, decided here so no spawn is wasted on it."""
+    whose reason says what is missing, decided here so no spawn is wasted on it.
+
+    `device` says where the ranks work: auto puts them on their GPUs under nccl and on the CPU under gloo;
+    cuda puts them on GPUs under either, so with fewer GPUs than ranks they run gloo and share the GPUs
+    (rank i on GPU i mod n: one GPU cannot hold two NCCL ranks); cpu keeps them on the CPU, under gloo."""
     gpus = len(hw.cuda_devices)
-    if requested == "gloo":
-        return Placement("gloo")
+    if device == "cuda" and gpus == 0:
+        return Placement("gloo", skip_reason="--ddp-device cuda: no CUDA device is visible here (found 0)")
+    if device == "cpu" or requested == "gloo":
+        return Placement("gloo", device="cuda" if device == "cuda" else "cpu")
     if requested == "auto":
-        return Placement("nccl" if hw.nccl_available and gpus >= world_size else "gloo")
+        if hw.nccl_available and gpus >= world_size:
+            return Placement("nccl", device="cuda")
+        return Placement("gloo", device="cuda" if device == "cuda" else "cpu")
     if gpus < world_size:
         return Placement("nccl", skip_reason=f"nccl needs {world_size} GPUs, found {gpus}")
     if not hw.nccl_available:
         return Placement("nccl", skip_reason="nccl is not available in this torch build")
-    return Placement("nccl")
+    return Placement("nccl", device="cuda")
 
 
 def _split_visible(value: str) -> list[str]:

@@ -181,9 +181,14 @@ class PoolController:
         return self._hardware
 
     def place(self, world_size: int) -> Placement:
-        if self.settings.backend == "gloo":  # no need to import torch just to hear "gloo"
-            return Placement("gloo")
-        return choose_backend(self.settings.backend, world_size, self.hardware)
+        if self.settings.device == "cpu" or (self.settings.backend == "gloo" and self.settings.device == "auto"):
+            return Placement("gloo")  # no need to import torch just to hear "gloo on the CPU"
+        return choose_backend(self.settings.backend, world_size, self.hardware, self.settings.device)
+
+    def device_of(self, backend: str) -> str:
+        """The device kind of a pool's ranks: one per (world size, backend), since the session's
+        --ddp-device is fixed (`choose_backend`)."""
+        return "cuda" if backend == "nccl" or self.settings.device == "cuda" else "cpu"
 
     # -- running ---------------------------------------------------------------------------------
     def pool(self, world_size: int, backend: str) -> RankPool:
@@ -209,7 +214,8 @@ class PoolController:
             world_size, backend,
             start_timeout=self.settings.start_timeout,
             rank_threads=self.settings.rank_threads,
-            cuda_devices=self.hardware.cuda_devices if backend == "nccl" else (),
+            device=self.device_of(backend),
+            cuda_devices=self.hardware.cuda_devices if self.device_of(backend) == "cuda" else (),
             zygote=self.zygote(),
             group_timeout=self.longest_timeout,
         )

@@ -99,9 +99,11 @@ class RankPool:
         cuda_devices: tuple[str, ...] = (),
         zygote: Zygote | None = None,
         group_timeout: float | None = None,
+        device: str | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
+        self.device = device or ("cuda" if backend == "nccl" else "cpu")
         self.start_timeout = start_timeout
         self.rank_threads = rank_threads
         self.cuda_devices = cuda_devices
@@ -180,6 +182,7 @@ class RankPool:
             DDP_CONFORMANCE_SOCKET=self._handshake.address if self._handshake else "",
             DDP_CONFORMANCE_STACK_FILE=str(self.workdir / f"rank{rank}.stack") if self.workdir else "",
             DDP_CONFORMANCE_BACKEND=self.backend,
+            DDP_CONFORMANCE_DEVICE=self.device,
             DDP_CONFORMANCE_PARENT=str(os.getpid()),
             DDP_CONFORMANCE_PG_TIMEOUT=str(self.group_timeout),
         )
@@ -190,8 +193,9 @@ class RankPool:
             name = loopback_interface()
             if name:
                 env["GLOO_SOCKET_IFNAME"] = name
-        if self.backend == "nccl":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.cuda_devices[: self.world_size])
+        if self.device == "cuda":  # nccl: one GPU per rank; gloo: the ranks share every GPU of the share
+            count = self.world_size if self.backend == "nccl" else len(self.cuda_devices)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.cuda_devices[:count])
         return env
 
     def _spawn(self, rank: int, store: Path) -> RankProcess:

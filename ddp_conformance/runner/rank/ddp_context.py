@@ -39,7 +39,7 @@ class DdpContext:
 
     @property
     def device(self) -> Any:
-        """A `torch.device`: cuda:local_rank under nccl, cpu under gloo."""
+        """A `torch.device`: the rank's GPU (`rank_device`) or the CPU."""
         import torch  # deferred: torch is heavy to import, and pytest imports this module
 
         return torch.device(self.device_name)
@@ -49,10 +49,20 @@ class DdpContext:
         return self.rank == 0
 
 
-def rank_device(backend: str, local_rank: int) -> str:
-    """The device a rank works on: its own GPU under nccl (CUDA_VISIBLE_DEVICES already narrowed to the
-    pool's share), the CPU under gloo."""
-    return f"cuda:{local_rank}" if backend == "nccl" else "cpu"
+def rank_device(backend: str, local_rank: int, kind: str | None = None, gpus: int = 0) -> str:
+    """The device a rank works on. `kind` cuda (the default under nccl): a GPU of those visible
+    (CUDA_VISIBLE_DEVICES already narrowed to the pool's share), its own under nccl, shared round-robin
+    under gloo when there are fewer than ranks; cpu (the default under gloo): the CPU."""
+    kind = kind or ("cuda" if backend == "nccl" else "cpu")
+    if kind != "cuda":
+        return "cpu"
+    return f"cuda:{local_rank % gpus if gpus > 0 else local_rank}"
+
+
+def visible_gpus() -> int:
+    """How many GPUs CUDA_VISIBLE_DEVICES lets this rank see (the pool always sets it for CUDA ranks),
+    read without initialising CUDA."""
+    return len([part for part in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()])
 
 
 @functools.cache
@@ -61,8 +71,9 @@ def _identity() -> tuple[int, int, int, str, str]:
     rank keeps them for life, and the environment is put back after every test anyway."""
     backend = os.environ["DDP_CONFORMANCE_BACKEND"]
     local_rank = int(os.environ["LOCAL_RANK"])
+    kind = os.environ.get("DDP_CONFORMANCE_DEVICE")
     return (int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]), backend,
-            rank_device(backend, local_rank))
+            rank_device(backend, local_rank, kind, visible_gpus()))
 
 
 def context_from_env() -> DdpContext:

@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 
 from ..wire import Hello, Ready, Stop, receive, send
 from . import fault_handlers
+from .ddp_context import context_from_env
 
 PR_SET_PDEATHSIG = 1
 
@@ -54,8 +55,9 @@ def join_group() -> None:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device(context_from_env().device_name)
+    if device.type == "cuda":  # the rank's own GPU, or its share of one under gloo (`rank_device`)
+        torch.cuda.set_device(device)
     store = dist.FileStore(os.environ["DDP_CONFORMANCE_STORE"], world_size)
     timeout = timedelta(seconds=float(os.environ.get("DDP_CONFORMANCE_PG_TIMEOUT", "120")))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

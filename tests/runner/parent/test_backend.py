@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddp_conformance.runner.parent.backend import Hardware, choose_backend, worker_gpu_share, xdist_worker
+from ddp_conformance.runner.parent.backend import Hardware, Placement, choose_backend, worker_gpu_share, xdist_worker
 from ddp_conformance.runner.rank.ddp_context import rank_device
 
 GPUS4 = Hardware(cuda_devices=("0", "1", "2", "3"), nccl_available=True)
@@ -31,6 +31,28 @@ def test_explicit_nccl_skips_with_what_is_missing() -> None:
 def test_devices() -> None:
     assert rank_device("nccl", 3) == "cuda:3"
     assert rank_device("gloo", 3) == "cpu"
+    assert rank_device("nccl", 3, "cuda", 4) == "cuda:3"
+    assert [rank_device("gloo", r, "cuda", 1) for r in range(4)] == ["cuda:0"] * 4  # one GPU, shared
+    assert [rank_device("gloo", r, "cuda", 2) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert rank_device("gloo", 3, "cpu", 4) == "cpu"
+
+
+ONE_GPU = Hardware(cuda_devices=("0",), nccl_available=True)
+
+
+def test_device_cuda_runs_gloo_on_shared_gpus_when_nccl_cannot() -> None:
+    assert choose_backend("auto", 1, ONE_GPU, "cuda") == Placement("nccl", device="cuda")
+    assert choose_backend("auto", 4, ONE_GPU, "cuda") == Placement("gloo", device="cuda")
+    assert choose_backend("gloo", 1, ONE_GPU, "cuda") == Placement("gloo", device="cuda")
+    assert choose_backend("nccl", 2, ONE_GPU, "cuda").skip_reason == "nccl needs 2 GPUs, found 1"
+    assert choose_backend("auto", 2, NO_GPU, "cuda").skip_reason == (
+        "--ddp-device cuda: no CUDA device is visible here (found 0)")
+
+
+def test_device_auto_and_cpu() -> None:
+    assert choose_backend("auto", 1, ONE_GPU) == Placement("nccl", device="cuda")  # auto: GPUs under nccl
+    assert choose_backend("auto", 2, ONE_GPU) == Placement("gloo", device="cpu")  # and the CPU under gloo
+    assert choose_backend("auto", 1, ONE_GPU, "cpu") == Placement("gloo", device="cpu")
 
 
 @given(st.integers(0, 16), st.integers(1, 8))

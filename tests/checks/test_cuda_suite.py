@@ -1,0 +1,58 @@
+"""The conformance suite on real GPUs: both references, with the guides' basic and advanced configs and
+an fp16 variant of advanced, every rank on the GPU (`--ddp-device cuda`: gloo with the ranks sharing one
+GPU on a one-GPU runner, nccl with a GPU each on a larger one). SyncBatchNorm, bf16/fp16 autocast with
+a GradScaler and the CUDA memory counters run for real here; on CPU they are only decided.
+
+These run wherever CUDA is present (a GPU CI runner) and skip with the reason elsewhere. The nested
+sessions see every GPU: this run's pytest-xdist worker variables are removed (see tests/runner/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+
+CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
+
+
+def config_file(tmp: Path, name: str) -> Path:
+    if name != "fp16":
+        return CONFIGS / f"{name}.yaml"
+    config = yaml.safe_load((CONFIGS / "advanced.yaml").read_text())
+    config["trainer"]["precision"] = "16-mixed"
+    path = tmp / "fp16.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("name", ["basic", "advanced", "fp16"])
+def test_references_pass_every_check_on_the_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, world_size: int
+) -> None:
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    report = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer", "torch",
+        "--ddp-trainer", "lightning", f"--ddp-config={config_file(pytester.path, name)}", "--ddp-device", "cuda",
+        "--ddp-world-size", str(world_size), f"--ddp-report={report}", "-rs",
+    )
+    results = json.loads(report.read_text())["results"]
+    failed = [(r["trainer"], r["check"], r["message"]) for r in results if r["outcome"] == "failed"]
+    assert not failed, result.stdout.str()
+    by_check = {(r["trainer"], r["check"]): r for r in results}
+    for trainer in ("torch", "lightning"):
+        figures = by_check[(trainer, "gradient_equivalence")]["figures"]
+        assert by_check[(trainer, "gradient_equivalence")]["outcome"] == "passed", figures
+        assert figures["precision"] == {"basic": "32-true", "advanced": "bf16-mixed", "fp16": "16-mixed"}[name]
+        bucket = by_check[(trainer, "bucket_view_memory")]["figures"]
+        assert bucket.get("memory_counter") == "torch.cuda.max_memory_allocated", bucket
+    assert "SyncBatchNorm was not exercised" not in result.stdout.str()
