@@ -1,4 +1,4 @@
-"""The six conformance checks, and the one entry point the suite calls inside every rank.
+"""The conformance checks, and the one entry point the suite calls inside every rank.
 
 Each check is a module (or a package, when it has a second look of its own) with
 `run(ctx: CheckContext) -> dict`, written against the adapter only (`ddp_conformance.adapter`): it
@@ -35,6 +35,7 @@ CHECK_IDS: tuple[str, ...] = (
     "gradient_equivalence",
     "resume_fidelity",
     "bucket_view_memory",
+    "sync_batchnorm",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

@@ -56,3 +56,39 @@ def test_references_pass_every_check_on_the_gpu(
         bucket = by_check[(trainer, "bucket_view_memory")]["figures"]
         assert bucket.get("memory_counter") == "torch.cuda.max_memory_allocated", bucket
     assert "SyncBatchNorm was not exercised" not in result.stdout.str()
+
+
+def test_sync_batchnorm_passes_the_references_and_controls_and_names_the_mutants_on_the_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fixture that concerns sync_batchnorm, with the guide's basic config (BatchNorm, sync_batchnorm:
+    true), world size 2 on whatever GPUs there are: the only place its mutants (`BREAKS_ON_CUDA`) can fail."""
+    from ddp_conformance.checks.sync_batchnorm import TOLERANCE
+    from tests.checks.test_suite import MUTANTS, declared, spec_of
+
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    fixtures = [path for path in MUTANTS if "sync_batchnorm" in declared(path, "BREAKS_ON_CUDA", set())
+                or "sync_batchnorm" in declared(path, "CONCERNS", ())]
+    assert len(fixtures) >= 3
+    report = pytester.path / "report.json"
+    trainers = [arg for spec in ["torch", "lightning", *map(spec_of, fixtures)] for arg in ("--ddp-trainer", spec)]
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "-k", "sync_batchnorm", *trainers,
+        f"--ddp-config={CONFIGS / 'basic.yaml'}", "--ddp-device", "cuda", "--ddp-world-size", "2",
+        f"--ddp-report={report}", "-rs",
+    )
+    by_spec = {r["spec"]: r for r in json.loads(report.read_text())["results"]}
+    for path in fixtures:
+        row = by_spec[spec_of(path)]
+        if declared(path, "CONTROL", ""):
+            assert row["outcome"] == "passed", (path.name, row["message"], result.stdout.str())
+            continue
+        assert row["outcome"] == "failed", (path.name, row)
+        for phrase in declared(path, "DIAGNOSIS_ON_CUDA")["sync_batchnorm"]:
+            assert phrase in row["message"], (path.name, row["message"])
+    for spec in ("torch", "lightning"):
+        row = by_spec[spec]
+        assert row["outcome"] == "passed", (spec, row["message"])
+        assert row["figures"]["synced_layers"] == row["figures"]["batchnorm_layers"] == 2, row["figures"]
+        assert row["figures"]["max_deviation"] <= TOLERANCE, row["figures"]

@@ -37,11 +37,12 @@ def test_missing_adapter_methods_skip_with_the_reason(pytester: pytest.Pytester)
         "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider", "-rs",
         "--ddp-trainer", "partial_adapter.py:OnlyData", "--ddp-report", "report.json",
     )
-    result.assert_outcomes(passed=2, skipped=4)
+    result.assert_outcomes(passed=2, skipped=5)
     outcomes = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
     assert outcomes["sampler_disjointness"]["outcome"] == "passed"
     assert outcomes["data_consistency"]["outcome"] == "passed"
-    for check in ("rank_participation", "gradient_equivalence", "resume_fidelity", "bucket_view_memory"):
+    for check in ("rank_participation", "gradient_equivalence", "resume_fidelity", "bucket_view_memory",
+                  "sync_batchnorm"):
         assert outcomes[check]["outcome"] == "skipped"
         assert "trainer partial_adapter.OnlyData does not provide" in outcomes[check]["message"], outcomes[check]
 

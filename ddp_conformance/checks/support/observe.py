@@ -54,6 +54,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from ...adapter import StepInfo, TrainState
 from ...resumable import capture_rng_state
 from .memory import shares_its_base
+from .norm_stats import BATCH_NORMS, NormLayer, NormWatch
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
@@ -174,6 +175,10 @@ class FitRecord:
     outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
     first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
     snapshot: StepSnapshot | None = field(default=None, repr=False)  # only when the recorder was asked
+    # with watch_norms: the BatchNorm layers of the model (by name), and what those in training mode did in
+    # the first micro-batch (`norm_stats`)
+    norm_names: list[str] = field(default_factory=list)
+    norm_layers: list[NormLayer] = field(default_factory=list, repr=False)
 
     @property
     def optimizer(self) -> Any:
@@ -221,16 +226,19 @@ class FitRecorder:
     def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
                  all_inputs: bool = False, keep_batches: bool = False,
                  on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
-                 digest_steps: bool = False) -> None:
+                 digest_steps: bool = False, watch_norms: bool = False) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
         the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
         another fit's parameters sets them there). `snapshot_at=k`: keep the fit's state right after
         optimizer step k (`StepSnapshot`). `digest_steps`: digest the parameters after each of the first
-        DIGESTED_STEPS steps (`FitRecord.step_digests`; 40 ms a step for 58 MB of parameters)."""
+        DIGESTED_STEPS steps (`FitRecord.step_digests`; 40 ms a step for 58 MB of parameters).
+        `watch_norms`: record the BatchNorm layers' first micro-batch (`norm_stats.NormWatch`)."""
         self.record = FitRecord()
         self._digest_steps = digest_steps
+        self._watch_norms = watch_norms
+        self._norms: NormWatch | None = None
         self._snapshot_at = snapshot_at
         self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
@@ -285,9 +293,13 @@ class FitRecorder:
         self._depth.value = depth + 1
         if depth == 0 and module.training and self._torch.is_grad_enabled() and _trainable(module):
             self._micro_batch(module, _args)
+        elif self._norms is not None and self.record.micro_batches == 1:
+            self._norms.before(module)
 
-    def _on_forward_end(self, _module: Any, _args: Any, _output: Any) -> None:
+    def _on_forward_end(self, module: Any, args: Any, output: Any) -> None:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
+        if self._norms is not None and self.record.micro_batches == 1:
+            self._norms.after(module, args, output)
 
     def _micro_batch(self, model: Any, inputs: Any) -> None:
         record = self.record
@@ -298,6 +310,9 @@ class FitRecorder:
             record.model_type, record.model = type(model).__name__, model
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
             self._watch_local_grads(model)
+            if self._watch_norms:
+                self._norms = NormWatch(unwrapped(model))
+                record.norm_names, record.norm_layers = list(self._norms.names.values()), self._norms.layers
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
         if isinstance(model, DistributedDataParallel):
@@ -776,5 +791,5 @@ def trains_batchnorm(model: Any) -> bool:
     """Whether the model normalises in training mode by each micro-batch's own statistics (BatchNorm),
     so that no run on another batch can recompute its gradients."""
 
-    norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    norms = BATCH_NORMS
     return any(isinstance(m, norms) and m.training for m in unwrapped(model).modules())

@@ -105,7 +105,8 @@ def probe(ctx: CheckContext) -> FitRecord:
     config = fit_config(ctx)
 
     def run() -> Probe:
-        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs), digest_steps=True)
+        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs), digest_steps=True,
+                    watch_norms=True)
         return Probe(ctx.recordings["probe"], ctx.check_id)
 
     held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
