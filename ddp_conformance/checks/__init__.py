@@ -36,6 +36,7 @@ CHECK_IDS: tuple[str, ...] = (
     "resume_fidelity",
     "bucket_view_memory",
     "sync_batchnorm",
+    "mixed_precision",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

@@ -92,3 +92,39 @@ def test_sync_batchnorm_passes_the_references_and_controls_and_names_the_mutants
         assert row["outcome"] == "passed", (spec, row["message"])
         assert row["figures"]["synced_layers"] == row["figures"]["batchnorm_layers"] == 2, row["figures"]
         assert row["figures"]["max_deviation"] <= TOLERANCE, row["figures"]
+
+
+def test_mixed_precision_passes_the_references_and_controls_and_names_the_mutants_on_the_gpu(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fixtures that concern mixed_precision at bf16-mixed (the advanced config), those that break it
+    only with 16-mixed's GradScaler (`BREAKS_ON_CUDA`) at 16-mixed, the controls and the references at both."""
+    from tests.checks.test_suite import MUTANTS, declared, spec_of
+
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+    controls = [path for path in MUTANTS if "mixed_precision" in declared(path, "CONCERNS", ())]
+    breaks = {"advanced": ("BREAKS", "DIAGNOSIS"), "fp16": ("BREAKS_ON_CUDA", "DIAGNOSIS_ON_CUDA")}
+    for name, (breaks_name, diagnosis_name) in breaks.items():
+        mutants = [path for path in MUTANTS if "mixed_precision" in declared(path, breaks_name, set())]
+        assert mutants and controls
+        report = pytester.path / f"report-{name}.json"
+        specs = ["torch", "lightning", *map(spec_of, mutants + controls)]
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "-k", "mixed_precision",
+            *[arg for spec in specs for arg in ("--ddp-trainer", spec)],
+            f"--ddp-config={config_file(pytester.path, name)}", "--ddp-device", "cuda", "--ddp-world-size", "2",
+            f"--ddp-report={report}",
+        )
+        by_spec = {r["spec"]: r for r in json.loads(report.read_text())["results"]}
+        for path in mutants:
+            row = by_spec[spec_of(path)]
+            assert row["outcome"] == "failed", (name, path.name, row)
+            for phrase in declared(path, diagnosis_name)["mixed_precision"]:
+                assert phrase in row["message"], (name, path.name, row["message"])
+        precision = {"fp16": "16-mixed", "advanced": "bf16-mixed"}[name]
+        for spec in ["torch", "lightning", *map(spec_of, controls)]:
+            row = by_spec[spec]
+            assert row["outcome"] == "passed" and row["figures"]["precision"] == precision, (name, spec, row,
+                                                                                               result.stdout.str())
+            assert row["figures"]["max_rel_delta"] > 0, row["figures"]

@@ -40,8 +40,10 @@ MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
 CONFIG = Path(__file__).with_name("suite.yaml")
 # checks that do not apply to a trainer on this run's CPU config, and the words their skip gives: the suite's
-# config has no BatchNorm, and torch's SyncBatchNorm runs on GPUs only (test_cuda_suite.py judges it there)
-NOT_APPLICABLE = {"sync_batchnorm": ("has no BatchNorm layer", "ran on cpu")}
+# config has no BatchNorm and trains in fp32, and torch's SyncBatchNorm runs on GPUs only (test_cuda_suite.py
+# judges it there)
+NOT_APPLICABLE = {"sync_batchnorm": ("has no BatchNorm layer", "ran on cpu"),
+                  "mixed_precision": ("there is no mixed precision to compare",)}
 
 
 def not_applicable(check: str, result: dict[str, Any]) -> bool:
@@ -78,13 +80,35 @@ def spec_of(path: Path) -> str:
     return declared(path, "SPEC", "{path}:Trainer").format(path=path)
 
 
-def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:
+def config_of(path: Path) -> Path:
+    """The config a fixture is judged with: the suite's, or the guide's config it names (`CONFIG = "advanced"`)
+    where only that config exercises its check (bf16-mixed, BatchNorm)."""
+    name = declared(path, "CONFIG", "")
+    return ROOT / "fixtures" / "configs" / f"{name}.yaml" if name else CONFIG
+
+
+def run_grouped(workdir: Path, pairs: list[tuple[str | Path, str]]) -> dict[str, Any]:
+    """(subject, check) pairs, a subject a reference's SPEC or a fixture's file, in one nested session per
+    config; the suite config's session (the references') gives the result its report and output."""
+    groups: dict[Path, list[tuple[str, str]]] = {}
+    for subject, check in pairs:
+        fixture = isinstance(subject, Path)
+        groups.setdefault(config_of(subject) if fixture else CONFIG, []).append(
+            (spec_of(subject) if fixture else subject, check))
+    main = run_nested(workdir / "suite", groups.pop(CONFIG))
+    for config, group in sorted(groups.items()):
+        main["results"].update(run_nested(workdir / config.stem, group, config)["results"])
+    return main
+
+
+def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFIG) -> dict[str, Any]:
     """One nested session of these (SPEC, check) pairs (tests/checks/nested_selection.py deselects the rest)."""
+    workdir.mkdir(parents=True, exist_ok=True)
     report, junit, selected = workdir / "report.json", workdir / "junit.xml", workdir / "pairs.json"
     selected.write_text(json.dumps(pairs))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "-p", "tests.checks.nested_selection", "--ddp-world-size", "2", "--ddp-timeout", "20",
-               "--ddp-config", str(CONFIG), "--ddp-report", str(report), f"--junitxml={junit}"]
+               "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}"]
     for spec in dict.fromkeys(spec for spec, _ in pairs):
         command += ["--ddp-trainer", spec]
     env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),
@@ -102,15 +126,16 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")  # --dist loadfile: one worker runs the whole module
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pairs = [(spec, check) for spec in REFERENCES for check in CHECK_IDS]
-    pairs += [(spec_of(path), check) for path in MUTANTS for check in planned(path)]
-    return run_nested(tmp_path_factory.mktemp("suite"), pairs)
+    pairs: list[tuple[str | Path, str]] = [(spec, check) for spec in REFERENCES for check in CHECK_IDS]
+    pairs += [(path, check) for path in MUTANTS for check in planned(path)]
+    return run_grouped(tmp_path_factory.mktemp("suite"), pairs)
 
 
 @pytest.fixture(scope="module")
 def rest_of_the_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pairs = [(spec_of(path), check) for path in MUTANTS for check in CHECK_IDS if check not in planned(path)]
-    return run_nested(tmp_path_factory.mktemp("suite_rest"), pairs)
+    pairs: list[tuple[str | Path, str]] = [(path, check) for path in MUTANTS for check in CHECK_IDS
+                                           if check not in planned(path)]
+    return run_grouped(tmp_path_factory.mktemp("suite_rest"), pairs)
 
 
 def test_reference_trainers_pass_every_check(session: dict[str, Any]) -> None:
@@ -224,7 +249,8 @@ def test_every_check_is_proven_by_a_mutant_it_rejects() -> None:
 def test_report_shapes_json_junit_and_terminal_matrix(session: dict[str, Any]) -> None:
     doc, out = session["doc"], session["proc"].stdout
     assert (doc["world_size"], doc["backend"]) == (2, "gloo")
-    assert len(doc["results"]) == len(REFERENCES) * len(CHECK_IDS) + sum(len(planned(path)) for path in MUTANTS)
+    assert len(doc["results"]) == len(REFERENCES) * len(CHECK_IDS) + sum(
+        len(planned(path)) for path in MUTANTS if config_of(path) == CONFIG)
     assert set(doc["results"][0]) == {"trainer", "spec", "check", "outcome", "figures", "message"}
     assert doc["schema_version"] == 3
     # figures reach JUnit XML as properties (rank 0's ddp.figures -> user_properties)

@@ -119,7 +119,7 @@ class FirstStep:
     params: list[Any]  # CPU copies, before the first micro-batch
     grads: list[Any] | None = None  # float64 CPU copies of the gradients the first step applied
     micro_batches: int = 0  # micro-batches that went into them
-    rng_drawn: bool = False  # torch's RNG advanced during them (dropout, random augmentation...)
+    rng_drawn: bool = False  # torch's CPU or CUDA RNG advanced during them (dropout, random augmentation...)
     # with keep_batches: per micro-batch, the batch the newest DataLoader pass last yielded (a CPU copy;
     # None when that pass had yielded none), that pass's index in `FitRecord.passes` (None: no pass)
     # and how many batches it had yielded
@@ -239,6 +239,7 @@ class FitRecorder:
         self._digest_steps = digest_steps
         self._watch_norms = watch_norms
         self._norms: NormWatch | None = None
+        self._first_cuda_rng: str | None = None  # the CUDA RNG's state at the first micro-batch (first_step)
         self._snapshot_at = snapshot_at
         self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
@@ -315,6 +316,7 @@ class FitRecorder:
                 record.norm_names, record.norm_layers = list(self._norms.names.values()), self._norms.layers
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
+                self._first_cuda_rng = _cuda_rng()
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
@@ -449,7 +451,8 @@ class FitRecorder:
         record.first_step.grads = [g.detach().to("cpu", torch.float64, copy=True) if g is not None else None
                                    for g in grads]
         record.first_step.micro_batches = record.micro_batches
-        record.first_step.rng_drawn = input_digest(self._torch.get_rng_state()) != record.first_rng
+        record.first_step.rng_drawn = (input_digest(self._torch.get_rng_state()) != record.first_rng
+                                       or _cuda_rng() != self._first_cuda_rng)
 
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
@@ -516,6 +519,13 @@ class FitRecorder:
             return _recorded(original(sampler), target, recorder._loaders_own_draws)
 
         return __iter__
+
+
+def _cuda_rng() -> str | None:
+    """A digest of the current CUDA device's RNG state (dropout on a GPU draws from it), None without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return input_digest(torch.cuda.get_rng_state())
 
 
 def _snapshot(record: FitRecord, step: int) -> StepSnapshot:

@@ -1,0 +1,131 @@
+"""mixed_precision: the configured mixed precision (`bf16-mixed`, `16-mixed`) reaches the forward, and its
+gradients are the trainer's fp32 gradients up to rounding: no loss scale is left in them.
+
+The guides promise bf16-mixed as a free speed-up. Its silent bugs are the precision that never reaches
+the forward (autocast not entered: the run is fp32 and slower than the user believes), and a loss scale
+that is never divided out (`optimizer.step()` where `scaler.step(optimizer)` belongs, or a static
+loss scale copied from an fp16 recipe): every update is the scale times too large, and the loss often
+still falls for a while.
+
+Runs the trainer's own fit twice for one optimizer step, watched by the recorder (`observe.FirstStep`:
+the gradients the optimizer applied, read in its pre-step hook, after `scaler.step` has unscaled
+them): once with the config as given, once with `trainer.precision: 32-true`, both with the config's
+dropout at 0. Both start from the same seeded model and data, so they differ only by the precision.
+On a GPU the two precisions' dropout masks differ (measured on an H200: the advanced config's dropout
+0.1 made bf16 and fp32 gradients differ by 0.81-1.02 of their norm, 0.0078 without it; on CPU they
+agree), so a fit that draws random numbers during its step (a trainer's own dropout) is skipped on CUDA.
+
+The two steps are compared as one vector, norm-wise (`relative_difference`): a parameter whose fp32
+gradient is tiny (a BatchNorm bias) differs elementwise by far more than the step as a whole.
+- at most `REACHES` (1e-7, float32's rounding): the precision never reached the forward (fail);
+- a multiple of the fp32 gradients, at least `SCALED` times them with a residual below `RESIDUAL`
+  (`gradients.scale_ratio`): a loss scale never divided out, named with its factor (fail);
+- anything else passes. How far rounding alone moves a step is measured, not bounded: bf16 over
+  BatchNorm layers of 4 samples moved the references' first step by up to half its norm (`NOISE`), so
+  no tolerance can tell a legitimate step from a model cast wholly to half precision. A difference
+  beyond the largest measured for that device and precision is a note, with the figure.
+
+Skips, with the reason: a precision that is not mixed (fp32 has nothing to compare; `-true` half
+precision is not promised to match fp32), a trainer that does not take the harness's config (a
+script runs its own command line, so the harness cannot run it in fp32), a step whose scaled
+gradients overflowed (a GradScaler skipped it), random draws during the step on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from ..adapter import TrainerAdapter
+from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.gradients import scale_ratio
+from .support.observe import unwrapped
+from .support.progress import guarded_fit
+
+#: the largest norm-wise difference from the fp32 step measured, by device and precision, over both
+#: references and every config in fixtures/configs/ at that precision, seeds 0 and 1, dropout 0.
+#: CPU bf16-mixed, world sizes 1-4: 0.502 (basic.yaml, seed 0, world size 3: BatchNorm over micro-batches of
+#: 4), 0.078 without BatchNorm. CUDA (an H200, gloo with ranks sharing it at world size 2, nccl at 1):
+#: bf16-mixed 0.0767 (advanced.yaml, world size 1), 0.0078 at 2; 16-mixed 0.0047 at 2, under 0.025 at 1.
+NOISE = {
+    "cpu": {"bf16-mixed": 0.502},
+    "cuda": {"bf16-mixed": 0.0767, "16-mixed": 0.025},
+}
+#: at or below this norm-wise difference the gradients are fp32's: the precision never reached the forward
+REACHES = 1e-7
+#: a step at least this many times the fp32 one, and a multiple of it within RESIDUAL, holds a loss scale
+SCALED = 2.0
+RESIDUAL = 0.5
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    precision = ctx.config.trainer.precision
+    if not precision.endswith("-mixed"):
+        pytest.skip(f"trainer.precision is {precision!r}: there is no mixed precision to compare with fp32")
+    config = replace(ctx.config, model=replace(ctx.config.model, dropout=0.0))
+    mixed = _first_step(ctx, "mixed", ctx.adapter(config))
+    if not ctx.takes_config:
+        pytest.skip(f"trainer {ctx.spec.text} runs its own command line, not the harness's config: the harness "
+                    "cannot run it in fp32 to compare")
+    if ctx.config.model.dropout:
+        ctx.note(f"config model.dropout {ctx.config.model.dropout} set to 0 for both fits: the precisions draw "
+                 "different dropout masks on a GPU")
+    full = _first_step(ctx, "fp32", ctx.adapter(replace(config, trainer=replace(config.trainer, precision="32-true"))))
+    device = ctx.rank_ctx.device_type
+    drew = any(ctx.recordings[label].first_step.rng_drawn for label in ("mixed", "fp32"))
+    if device == "cuda" and any(all_gather(drew)):
+        pytest.skip("the fit draws random numbers during its first step (its own dropout, random augmentation): on a "
+                    "GPU the two precisions draw them differently, so their gradients are not comparable")
+    relative, name = relative_difference(mixed, full)
+    noise = NOISE.get(device, {}).get(precision)
+    figures: dict[str, Any] = {"precision": precision, "max_rel_delta": relative, "largest_measured": noise,
+                               "parameter": name, "summary": f"step {fmt(relative)} from fp32"}
+    failing = [v for v in all_gather(_verdict(precision, mixed, full, relative)) if v]
+    if failing:
+        raise ctx.fail(failing[0], **figures)
+    if noise is not None and relative > noise:
+        ctx.note(f"the {precision} step differs from the fp32 step by {fmt(relative)} of its norm, most at parameter "
+                 f"{name}: more than the {fmt(noise)} measured on {device} (ill-conditioned layers, as BatchNorm over "
+                 "few samples, or more of the step in low precision than autocast runs)")
+    return figures
+
+
+def _first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> dict[str, Any]:
+    """The gradients the fit's first optimizer step applied, by parameter name (float64, CPU)."""
+    guarded_fit(ctx, label, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
+    record = ctx.recordings[label]
+    first = record.first_step
+    if first is None or first.grads is None or record.model is None:
+        pytest.skip(f"the {label} fit's one iteration applied no optimizer step with gradients (a GradScaler skips "
+                    "the step whose scaled gradients overflow), so there is no step to compare")
+    names = [name for name, _ in unwrapped(record.model).named_parameters()]
+    return dict(zip(names, first.grads, strict=False))
+
+
+def relative_difference(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str]:
+    """(|got - want| / |want| over all parameters as one vector, the parameter whose own is largest)."""
+    pairs = [(name, got[name], ref) for name, ref in want.items() if ref is not None and got.get(name) is not None]
+    delta = sum(float((g - r).square().sum()) for _, g, r in pairs) ** 0.5
+    norm = sum(float(r.square().sum()) for _, _, r in pairs) ** 0.5
+    worst = max(pairs, key=lambda p: float((p[1] - p[2]).norm()) / max(float(p[2].norm()), 1e-30), default=None)
+    return (delta / norm if norm else (0.0 if delta == 0 else float("inf"))), (worst[0] if worst else "")
+
+
+def _verdict(precision: str, mixed: dict[str, Any], full: dict[str, Any], relative: float) -> str:
+    if mixed.keys() != full.keys() or any(
+            (mixed[k] is None) != (full[k] is None) or (full[k] is not None and mixed[k].shape != full[k].shape)
+            for k in full):
+        return (f"the {precision} fit trains other parameters than the fp32 fit ({len(mixed)} against {len(full)}): "
+                "the precision changes the model")
+    if relative <= REACHES:
+        return (f"trainer.precision {precision} never reaches the model: the first step's gradients are the fp32 "
+                f"gradients (max relative difference {fmt(relative)}), so the forward does not run under autocast")
+    ratio, residual = scale_ratio(mixed, full)
+    if ratio >= SCALED and residual <= RESIDUAL:
+        return (f"the {precision} gradients are {fmt(ratio)}x the fp32 gradients: a loss scale is never divided out "
+                "before the optimizer step (call scaler.step(optimizer), or scaler.unscale_(optimizer) before "
+                "anything reads the gradients; a static loss scale needs its division too)")
+    return ""
