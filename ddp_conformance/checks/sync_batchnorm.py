@@ -58,20 +58,23 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip("world size 1: one rank's BatchNorm statistics are the global batch's, there is nothing "
                     "to synchronise")
     record = shared_fit.probe(ctx)
-    names, layers = record.norm_names, record.norm_layers
+    # gathered before any decision, so that every rank decides alike even where ranks built different models
+    gathered = all_gather((record.norm_names, record.norm_layers))
+    world = [rank_layers for _, rank_layers in gathered]
+    names = max((rank_names for rank_names, _ in gathered), key=len)
+    layers = max(world, key=len)
     if not names:
         pytest.skip("the model the fit trains has no BatchNorm layer, so there are no statistics to synchronise")
     if not layers:
         pytest.skip(f"none of its {len(names)} BatchNorm layer(s) ran in training mode in the fit's first "
                     "micro-batch (frozen statistics): nothing is synchronised while it trains")
     figures: dict[str, Any] = {"batchnorm_layers": len(names), "synced_layers": sum(layer.synced for layer in layers)}
-    devices = sorted({layer.device for layer in layers})
+    devices = sorted({layer.device for rank_layers in world for layer in rank_layers})
     if devices != ["cuda"]:
         pytest.skip(f"its BatchNorm layers ran on {', '.join(devices)}: torch's SyncBatchNorm runs on GPU modules "
                     "only ('SyncBatchNorm expected input tensor to be on GPU'), so synchronisation is not "
                     "exercised here; run with --ddp-device cuda on a GPU runner")
-    world = all_gather(layers)
-    plain = [layer.name for layer in layers if not layer.synced]
+    plain = list(dict.fromkeys(layer.name for rank_layers in world for layer in rank_layers if not layer.synced))
     if plain:
         if not ctx.config.trainer.sync_batchnorm and len(plain) == len(layers):
             pytest.skip(f"its {len(plain)} BatchNorm layer(s) normalise per rank, as configured "
