@@ -22,6 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
 
 
+@pytest.fixture(autouse=True)
+def every_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nested sessions see every GPU, whatever pytest-xdist worker runs them."""
+    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(variable, raising=False)
+
+
 def config_file(tmp: Path, name: str) -> Path:
     if name != "fp16":
         return CONFIGS / f"{name}.yaml"
@@ -35,10 +42,8 @@ def config_file(tmp: Path, name: str) -> Path:
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("name", ["basic", "advanced", "fp16"])
 def test_references_pass_every_check_on_the_gpu(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, world_size: int
+    pytester: pytest.Pytester, name: str, world_size: int
 ) -> None:
-    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(variable, raising=False)
     report = pytester.path / "report.json"
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer", "torch",
@@ -59,15 +64,13 @@ def test_references_pass_every_check_on_the_gpu(
 
 
 def test_sync_batchnorm_passes_the_references_and_controls_and_names_the_mutants_on_the_gpu(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester
 ) -> None:
     """Every fixture that concerns sync_batchnorm, with the guide's basic config (BatchNorm, sync_batchnorm:
     true), world size 2 on whatever GPUs there are: the only place its mutants (`BREAKS_ON_CUDA`) can fail."""
     from ddp_conformance.checks.sync_batchnorm import TOLERANCE
     from tests.checks.test_suite import MUTANTS, declared, spec_of
 
-    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(variable, raising=False)
     fixtures = [path for path in MUTANTS if "sync_batchnorm" in declared(path, "BREAKS_ON_CUDA", set())
                 or "sync_batchnorm" in declared(path, "CONCERNS", ())]
     assert len(fixtures) >= 3
@@ -95,14 +98,12 @@ def test_sync_batchnorm_passes_the_references_and_controls_and_names_the_mutants
 
 
 def test_mixed_precision_passes_the_references_and_controls_and_names_the_mutants_on_the_gpu(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester
 ) -> None:
     """The fixtures that concern mixed_precision at bf16-mixed (the advanced config), those that break it
     only with 16-mixed's GradScaler (`BREAKS_ON_CUDA`) at 16-mixed, the controls and the references at both."""
     from tests.checks.test_suite import MUTANTS, declared, spec_of
 
-    for variable in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(variable, raising=False)
     controls = [path for path in MUTANTS if "mixed_precision" in declared(path, "CONCERNS", ())]
     breaks = {"advanced": ("BREAKS", "DIAGNOSIS"), "fp16": ("BREAKS_ON_CUDA", "DIAGNOSIS_ON_CUDA")}
     for name, (breaks_name, diagnosis_name) in breaks.items():
