@@ -39,7 +39,7 @@ VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra at
 SCHEMA_VERSION = 3  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
 TRAINER_WIDTH = 24  # longer trainer labels wrap inside their column
-GAP = 2
+GAPS = (2, 1)  # between columns: two spaces, or one where two leave no room for the matrix
 MIN_COLUMN = 10  # a column is at least this wide (and its longest word); if they cannot fit: a list
 
 
@@ -276,16 +276,18 @@ def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     texts = {(t, c): _cell_text(cells.get((t, c)), notes.get((t, c))) for t in trainers for c in checks}
     longest_piece = max((len(piece) for t in trainers for piece in _pieces(t)), default=0)
     label_width = max(min(max([len("trainer"), *(len(t) for t in trainers)]), TRAINER_WIDTH), longest_piece)
-    widths = _widths([[texts[(t, c)] for t in trainers] for c in checks], checks,
-                     width - label_width - GAP * len(checks))
+    columns = [[texts[(t, c)] for t in trainers] for c in checks]
+    gap, widths = next(((gap, found) for gap in GAPS if (found := _widths(
+        columns, checks, width - label_width - gap * len(checks))) is not None), (0, None))
     if widths is None:
         lines = _listed(trainers, checks, texts, width)
     else:
-        lines = _rows(["trainer"], [_broken(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths)
+        lines = _rows(["trainer"], [_broken(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths,
+                      gap)
         for trainer in trainers:
             label = _broken(trainer, label_width)
             grid = [_cell(texts[(trainer, c)], w) for c, w in zip(checks, widths, strict=True)]
-            row = _rows(label, grid, label_width, widths)
+            row = _rows(label, grid, label_width, widths, gap)
             lines += ([""] if len(row) > 1 else []) + row  # tall rows apart, so a cell's lines stay together
     if numbered:
         lines.append("")
@@ -295,14 +297,14 @@ def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     return lines
 
 
-def _rows(label: list[str], cells: list[list[str]], label_width: int, widths: list[int]) -> list[str]:
+def _rows(label: list[str], cells: list[list[str]], label_width: int, widths: list[int], gap: int) -> list[str]:
     """One matrix row over as many lines as its tallest cell."""
     height = max(len(label), *(len(cell) for cell in cells))
     lines = []
     for i in range(height):
         parts = [(label[i] if i < len(label) else "").ljust(label_width)]
         parts += [(cell[i] if i < len(cell) else "").ljust(w) for cell, w in zip(cells, widths, strict=True)]
-        lines.append((" " * GAP).join(parts).rstrip())
+        lines.append((" " * gap).join(parts).rstrip())
     return lines
 
 

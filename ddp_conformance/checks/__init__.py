@@ -37,6 +37,7 @@ CHECK_IDS: tuple[str, ...] = (
     "bucket_view_memory",
     "sync_batchnorm",
     "mixed_precision",
+    "initial_sync",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

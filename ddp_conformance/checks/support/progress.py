@@ -235,13 +235,14 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
                 extra: Callable[[Any], dict[str, Any]] | None = None,
                 first_step: bool = False, all_inputs: bool = False,
                 keep_batches: bool = False, snapshot_at: int | None = None,
-                digest_steps: bool = False, watch_norms: bool = False) -> tuple[Any, list[Progress]]:
+                digest_steps: bool = False, watch_norms: bool = False,
+                watch_start: bool = False) -> tuple[Any, list[Progress]]:
     """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress;
     `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`),
     `keep_batches` the batches its loader yielded for it too, `all_inputs` digest what every
     micro-batch fed the model, `snapshot_at` keep its state after that optimizer step, and
-    `digest_steps` digest its parameters after every step, and `watch_norms` record its BatchNorm
-    layers' first micro-batch.
+    `digest_steps` digest its parameters after every step, `watch_norms` record its BatchNorm
+    layers' first micro-batch, and `watch_start` its tensors at the first forward and at its end.
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
     Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs.
@@ -258,7 +259,8 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
             # adapter's observer calls, if it makes any, only add the losses it reports
             with FitRecorder(listener=observer, rank=ctx.rank, first_step=first_step,
                              all_inputs=all_inputs, keep_batches=keep_batches, snapshot_at=snapshot_at,
-                             digest_steps=digest_steps, watch_norms=watch_norms) as recorder:
+                             digest_steps=digest_steps, watch_norms=watch_norms,
+                             watch_start=watch_start) as recorder:
                 ctx.recordings[label] = recorder.record
                 result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)

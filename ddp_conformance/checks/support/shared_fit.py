@@ -106,7 +106,7 @@ def probe(ctx: CheckContext) -> FitRecord:
 
     def run() -> Probe:
         guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs), digest_steps=True,
-                    watch_norms=True)
+                    watch_norms=True, watch_start=True)
         return Probe(ctx.recordings["probe"], ctx.check_id)
 
     held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
