@@ -24,6 +24,7 @@ import json
 import math
 import re
 import textwrap
+from collections.abc import Callable
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -266,7 +267,8 @@ def _widths(texts: list[list[tuple[str, str]]], checks: list[str], room: int) ->
 def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     """The trainer x check matrix in `width` columns, each cell its outcome over its key figure (wrapped,
     never cut), then every failure's verdict and every skip's reason in full, numbered as in the cells.
-    Where even wrapped cells cannot fit, one line per trainer and check instead."""
+    A row per trainer and a column per check; where the checks cannot fit side by side, a row per check
+    and a column per trainer; where neither fits, one line per trainer and check."""
     results = doc["results"]
     checks = list(dict.fromkeys(r["check"] for r in results))
     trainers = list(dict.fromkeys(r["trainer"] for r in results))
@@ -274,26 +276,32 @@ def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     numbered = [r for r in results if r["outcome"] != "passed"]
     notes = {(r["trainer"], r["check"]): n for n, r in enumerate(numbered, start=1)}
     texts = {(t, c): _cell_text(cells.get((t, c)), notes.get((t, c))) for t in trainers for c in checks}
-    longest_piece = max((len(piece) for t in trainers for piece in _pieces(t)), default=0)
-    label_width = max(min(max([len("trainer"), *(len(t) for t in trainers)]), TRAINER_WIDTH), longest_piece)
-    columns = [[texts[(t, c)] for t in trainers] for c in checks]
-    gap, widths = next(((gap, found) for gap in GAPS if (found := _widths(
-        columns, checks, width - label_width - gap * len(checks))) is not None), (0, None))
-    if widths is None:
-        lines = _listed(trainers, checks, texts, width)
-    else:
-        lines = _rows(["trainer"], [_broken(c, w) for c, w in zip(checks, widths, strict=True)], label_width, widths,
-                      gap)
-        for trainer in trainers:
-            label = _broken(trainer, label_width)
-            grid = [_cell(texts[(trainer, c)], w) for c, w in zip(checks, widths, strict=True)]
-            row = _rows(label, grid, label_width, widths, gap)
-            lines += ([""] if len(row) > 1 else []) + row  # tall rows apart, so a cell's lines stay together
+    lines = (_grid("trainer", trainers, checks, lambda t, c: texts[(t, c)], width)
+             or _grid("check", checks, trainers, lambda c, t: texts[(t, c)], width)
+             or _listed(trainers, checks, texts, width))
     if numbered:
         lines.append("")
     for n, r in enumerate(numbered, start=1):
         lines += textwrap.wrap(f"[{n}] {r['trainer']} / {r['check']} {r['outcome']}: {r['message']}", width,
                                subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
+def _grid(corner: str, rows: list[str], columns: list[str], text: Callable[[str, str], tuple[str, str]],
+          width: int) -> list[str] | None:
+    """A row per name in `rows` and a column per name in `columns` within `width`, or None if it cannot fit."""
+    longest_piece = max((len(piece) for name in rows for piece in _pieces(name)), default=0)
+    label_width = max(min(max([len(corner), *(len(name) for name in rows)]), TRAINER_WIDTH), longest_piece)
+    cells = [[text(row, column) for row in rows] for column in columns]
+    gap, widths = next(((gap, found) for gap in GAPS if (found := _widths(
+        cells, columns, width - label_width - gap * len(columns))) is not None), (0, None))
+    if widths is None:
+        return None
+    lines = _rows([corner], [_broken(c, w) for c, w in zip(columns, widths, strict=True)], label_width, widths, gap)
+    for row in rows:
+        grid = [_cell(text(row, column), w) for column, w in zip(columns, widths, strict=True)]
+        block = _rows(_broken(row, label_width), grid, label_width, widths, gap)
+        lines += ([""] if len(block) > 1 else []) + block  # tall rows apart, so a cell's lines stay together
     return lines
 
 

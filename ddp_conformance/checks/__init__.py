@@ -38,6 +38,7 @@ CHECK_IDS: tuple[str, ...] = (
     "sync_batchnorm",
     "mixed_precision",
     "initial_sync",
+    "bucket_cap_mb_invariance",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

@@ -38,11 +38,9 @@ from typing import Any
 
 import pytest
 
-from ..adapter import TrainerAdapter
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.first_steps import first_step, without_dropout
 from .support.gradients import scale_ratio
-from .support.observe import unwrapped
-from .support.progress import guarded_fit
 
 #: the largest norm-wise difference from the fp32 step measured, by device and precision, over both
 #: references and every config in fixtures/configs/ at that precision, seeds 0 and 1, dropout 0.
@@ -65,15 +63,16 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     precision = ctx.config.trainer.precision
     if not precision.endswith("-mixed"):
         pytest.skip(f"trainer.precision is {precision!r}: there is no mixed precision to compare with fp32")
-    config = replace(ctx.config, model=replace(ctx.config.model, dropout=0.0))
-    mixed = _first_step(ctx, "mixed", ctx.adapter(config))
+    config = without_dropout(ctx.config)
+    mixed, _ = first_step(ctx, "mixed", ctx.adapter(config))
     if not ctx.takes_config:
         pytest.skip(f"trainer {ctx.spec.text} runs its own command line, not the harness's config: the harness "
                     "cannot run it in fp32 to compare")
     if ctx.config.model.dropout:
         ctx.note(f"config model.dropout {ctx.config.model.dropout} set to 0 for both fits: the precisions draw "
                  "different dropout masks on a GPU")
-    full = _first_step(ctx, "fp32", ctx.adapter(replace(config, trainer=replace(config.trainer, precision="32-true"))))
+    fp32 = replace(config, trainer=replace(config.trainer, precision="32-true"))
+    full, _ = first_step(ctx, "fp32", ctx.adapter(fp32))
     device = ctx.rank_ctx.device_type
     drew = any(ctx.recordings[label].first_step.rng_drawn for label in ("mixed", "fp32"))
     if device == "cuda" and any(all_gather(drew)):
@@ -91,18 +90,6 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                  f"{name}: more than the {fmt(noise)} measured on {device} (ill-conditioned layers, as BatchNorm over "
                  "few samples, or more of the step in low precision than autocast runs)")
     return figures
-
-
-def _first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> dict[str, Any]:
-    """The gradients the fit's first optimizer step applied, by parameter name (float64, CPU)."""
-    guarded_fit(ctx, label, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
-    record = ctx.recordings[label]
-    first = record.first_step
-    if first is None or first.grads is None or record.model is None:
-        pytest.skip(f"the {label} fit's one iteration applied no optimizer step with gradients (a GradScaler skips "
-                    "the step whose scaled gradients overflow), so there is no step to compare")
-    names = [name for name, _ in unwrapped(record.model).named_parameters()]
-    return dict(zip(names, first.grads, strict=False))
 
 
 def relative_difference(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, str]:

@@ -64,14 +64,18 @@ def scenarios(draw: st.DrawFn) -> dict:
     }}
 
 
+# checks the drawn configs do not vary: they train in fp32 without BatchNorm (on CPU sync_batchnorm could only
+# skip), and what initial_sync and bucket_cap_mb_invariance judge does not depend on the data or the world drawn
+NOT_DRAWN = ("bucket_view_memory", "sync_batchnorm", "mixed_precision", "initial_sync", "bucket_cap_mb_invariance")
+
+
 def run_scenario(tmp: Path, scenario: dict) -> dict[str, dict[str, dict]]:
     config, report, reference = tmp / "scenario.yaml", tmp / "report.json", tmp / "reference.py"
     config.write_text(yaml.safe_dump(scenario["config"]))
     reference.write_text(REFERENCE.format(cadence=scenario["cadence"]))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "--ddp-world-size", str(scenario["world"]), "--ddp-timeout", "30", "--ddp-config", str(config),
-               "--ddp-report", str(report), "-k",
-               "not bucket_view_memory and not sync_batchnorm and not mixed_precision"]
+               "--ddp-report", str(report), "-k", " and ".join(f"not {check}" for check in NOT_DRAWN)]
     for trainer in [f"{reference}:Trainer", *MUTANT_SPECS]:
         command += ["--ddp-trainer", trainer]
     proc = subprocess.run(command, cwd=tmp, capture_output=True, text=True, timeout=400)
@@ -112,8 +116,7 @@ DRAWN = int(os.environ.get("DDP_SCENARIOS", "0"))
 def test_references_pass_and_mutants_are_caught_in_drawn_scenarios(tmp_path_factory: pytest.TempPathFactory,
                                                                   scenario: dict) -> None:
     results = run_scenario(tmp_path_factory.mktemp("scenario"), scenario)
-    # the drawn configs train in fp32 without BatchNorm, and on CPU sync_batchnorm could only skip
-    checks = [c for c in CHECK_IDS if c not in ("bucket_view_memory", "sync_batchnorm", "mixed_precision")]
+    checks = [c for c in CHECK_IDS if c not in NOT_DRAWN]
     reference = {c: (r["outcome"], r["message"]) for c, r in results["reference"].items()}
     assert all(outcome == "passed" for outcome, _ in reference.values()), (scenario, reference)
     assert list(results["reference"]) == checks

@@ -43,7 +43,8 @@ CONFIG = Path(__file__).with_name("suite.yaml")
 # config has no BatchNorm and trains in fp32, and torch's SyncBatchNorm runs on GPUs only (test_cuda_suite.py
 # judges it there)
 NOT_APPLICABLE = {"sync_batchnorm": ("has no BatchNorm layer", "ran on cpu"),
-                  "mixed_precision": ("there is no mixed precision to compare",)}
+                  "mixed_precision": ("there is no mixed precision to compare",),
+                  "bucket_cap_mb_invariance": ("runs its own command line, not the harness's config",)}
 
 
 def not_applicable(check: str, result: dict[str, Any]) -> bool:

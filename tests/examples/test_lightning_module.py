@@ -121,12 +121,14 @@ def test_a_module_that_ships_with_lightning_checked_as_it_is(session: dict[str, 
       nothing in training is random (no dropout, Lightning's DistributedSampler has its own seed), so
       no RNG verdict;
     - one Linear(32, 2): 264 B of gradients, too small to measure bucket views;
-    - Lightning injects a DistributedSampler and calls set_epoch: the sampler check passes."""
+    - Lightning injects a DistributedSampler and calls set_epoch: the sampler check passes;
+    - DDP broadcasts rank 0's Linear when it wraps it, and nothing acts per bucket: initial_sync and
+      bucket_cap_mb_invariance pass."""
     results = session["results"]["boring"]
     assert outcomes(results) == {
         "rank_participation": "passed", "sampler_disjointness": "passed", "data_consistency": "failed",
         "gradient_equivalence": "skipped", "resume_fidelity": "failed", "bucket_view_memory": "skipped",
-        **NOT_EXERCISED}, results
+        "initial_sync": "passed", "bucket_cap_mb_invariance": "passed", **NOT_EXERCISED}, results
     assert_not_exercised(results)
     assert "is the data generated without a seed" in results["data_consistency"]["message"]
     assert "the ranks' datasets differ" in results["gradient_equivalence"]["message"]

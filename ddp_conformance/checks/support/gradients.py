@@ -54,7 +54,7 @@ def max_delta(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, float, float]:
 def _largest(tensor: Any) -> float:
     """max |tensor|, from its extremes: no |tensor| copy (58 MB of float64 gradients a model, in the demo)."""
     low, high = (float(v) for v in torch.aminmax(tensor))
-    return float("nan") if math.isnan(low) or math.isnan(high) else max(-low, high)
+    return float("nan") if math.isnan(low) or math.isnan(high) else max(high, -low)
 
 
 def scale_ratio(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:

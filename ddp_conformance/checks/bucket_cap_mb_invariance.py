@@ -1,0 +1,138 @@
+"""bucket_cap_mb_invariance: the gradients DDP averages do not depend on `bucket_cap_mb`.
+
+The guides raise `bucket_cap_mb` from 25 to 50-100 MB for large models as a pure speed setting: DDP
+groups gradients into buckets of that size and all-reduces each bucket as it fills. The average of a
+gradient element over the ranks is the same whichever bucket carries it, up to the order in which a
+collective sums the ranks' values. What breaks that silently is code that acts per bucket: a
+communication hook that clips, scales, compresses or drops a bucket as a whole, whose result then
+changes with where the bucket boundaries fall.
+
+Runs the trainer's own fit for `STEPS` optimizer steps (dropout 0) with the config's bucket cap and
+with caps that bucket its gradients differently: 1 MB and 100 MB as the
+issue's guides name them, clipped to the model's gradient size (every cap above it gives the same
+single bucket after DDP's first), plus a quarter of the gradient size where 1 MB would still hold
+them in at most four buckets, so a small model is split too. Each fit's DDP must report the cap it
+was given (`bucket_bytes_cap`), or the trainer does not take it from its config. DDP lays its
+buckets out by the cap only when it rebuilds them after the first iteration (measured, torch 2.13:
+a 1.7 KB cap still all-reduced a 5 KB model as one bucket in the first backward, as two from the
+second), so the fits run two steps and their final states (parameters and buffers) are compared per
+tensor with `gradients.max_delta` (relative to the tensor's largest value).
+
+Tolerance: `TOLERANCE` of that relative difference. Measured on CPU (gloo), both references, every
+config in fixtures/configs/ and the suite's, world sizes 2-4: 0, every gradient bitwise the same
+whatever the cap. The bound allows a collective that sums the ranks in another order per chunk
+(NCCL's ring splits a bucket into chunks): float32's 1.2e-7 per addition, over up to 8 ranks. On a GPU
+the bound is not yet measured, and the figures say so.
+Skips, with the reason: a world of one (no all-reduce), a trainer that runs its own command
+line (a script: the harness cannot set its cap), a trainer whose DDP ignores the config's cap when
+the config sets none (nothing to vary; where the config sets one that never reaches DDP, a failure).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ..adapter import TrainerAdapter, TrainState
+from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.first_steps import with_strategy, without_dropout
+from .support.gradients import max_delta
+from .support.observe import FitRecord
+from .support.progress import guarded_fit
+
+MB = 1 << 20
+#: optimizer steps each fit runs: the second is the first whose all-reduce follows bucket_cap_mb
+STEPS = 2
+GUIDE_CAPS_MB = (1.0, 25.0, 100.0)
+#: where 1 MB buckets would still hold the gradients in this many buckets or fewer, a quarter of their size is
+#: added, so that the comparison splits a small model too
+FEW_BUCKETS = 4
+#: the largest per-parameter relative difference between caps that counts as summation order: 0 measured on CPU
+#: (docstring); float32's 1.2e-7 a reordered addition, over up to 8 ranks
+TOLERANCE = 1e-6
+MEASURED_ON = ("cpu",)
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    if ctx.world_size == 1:
+        pytest.skip("world size 1: there is no all-reduce, so buckets only group gradients for a reduction that "
+                    "does not happen")
+    config = without_dropout(ctx.config)
+    configured = config.trainer.strategy.bucket_cap_mb
+    adapter = ctx.adapter(config)
+    if not ctx.takes_config:
+        pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "
+                    "cannot set its bucket_cap_mb")
+    own, record = _fit(ctx, "bucket-cap-configured", adapter)
+    reported = _reported_cap(record)
+    if None in all_gather(reported):
+        pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there are no buckets "
+                    "(rank_participation judges the wrapping)")
+    if configured is not None and not all(all_gather(reported == int(configured * MB))):
+        raise ctx.fail(f"bucket_cap_mb: {configured:g} never reaches DDP: the DistributedDataParallel the fit builds "
+                       f"reports a bucket cap of {_mb(reported)} (is the config's value passed on?)")
+    size_mb = max(all_gather(_gradient_mb(record)))
+    figures: dict[str, Any] = {"gradient_mb": round(size_mb, 3), "configured_cap_mb": configured,
+                               "compared_caps_mb": []}
+    worst = (0.0, "", None)
+    for cap in caps_to_compare(size_mb, configured):
+        state, variant = _fit(ctx, f"bucket-cap-{cap:g}", ctx.adapter(with_strategy(config, bucket_cap_mb=cap)))
+        if not all(all_gather(_reported_cap(variant) == int(cap * MB))):
+            pytest.skip(f"the trainer's DDP does not take bucket_cap_mb from the config (asked for {cap:g} MB, its DDP "
+                        f"reports {_mb(_reported_cap(variant))}): there is no bucket size to vary")
+        name, delta, scale = max_delta(state, own)
+        relative = max(all_gather(delta / scale if scale else 0.0))
+        figures["compared_caps_mb"].append(round(cap, 4))
+        if relative > worst[0] or worst[2] is None:
+            worst = (relative, name, cap)
+    figures.update(max_rel_delta=worst[0], worst_parameter=worst[1], worst_cap_mb=worst[2],
+                   tolerance_measured_on=MEASURED_ON, summary=f"max rel delta {fmt(worst[0])}")
+    if ctx.rank_ctx.device_type not in MEASURED_ON:
+        ctx.note(f"the tolerance {fmt(TOLERANCE)} was measured on {', '.join(MEASURED_ON)} only, not on "
+                 f"{ctx.rank_ctx.device_type}")
+    if worst[0] > TOLERANCE:
+        base = f"{configured:.3g} MB" if configured is not None else "DDP's default cap"
+        raise ctx.fail(f"the gradients depend on bucket_cap_mb: after {STEPS} steps with {worst[2]:.3g} MB buckets "
+                       f"{worst[1]} differs from the fit with {base} by {fmt(worst[0])} of its largest value "
+                       f"(summation order allows {fmt(TOLERANCE)}): something acts on each bucket as a whole (a "
+                       "communication hook that clips, scales, compresses or drops per bucket?)", **figures)
+    return figures
+
+
+def caps_to_compare(size_mb: float, configured: float | None) -> list[float]:
+    """The caps whose bucketing differs from the configured one's and from each other's: the guides'
+    caps clipped to the gradient size, and a quarter of it where 1 MB makes few buckets."""
+    caps = {min(cap, size_mb) for cap in GUIDE_CAPS_MB}
+    if size_mb <= FEW_BUCKETS * GUIDE_CAPS_MB[0]:
+        caps.add(size_mb / FEW_BUCKETS)
+    own = min(configured, size_mb) if configured is not None else None
+    return sorted(cap for cap in caps if cap > 0 and cap != own)
+
+
+def _fit(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[str, Any], FitRecord]:
+    """The fit's state after STEPS steps (its floating-point tensors, float64), and its record."""
+    state, _ = guarded_fit(ctx, label, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
+    assert isinstance(state, TrainState)
+    floats = {name: t.detach().to("cpu", torch.float64) for name, t in state.params.items()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return floats, ctx.recordings[label]
+
+
+def _gradient_mb(record: FitRecord) -> float:
+    model = record.model
+    if model is None:
+        return 0.0
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / MB
+
+
+def _reported_cap(record: Any) -> int | None:
+    ddp = record.ddp or {}
+    cap = ddp.get("bucket_bytes_cap")
+    return int(cap) if cap is not None else None
+
+
+def _mb(value: int | None) -> str:
+    return "none" if value is None else f"{value / MB:g} MB"

@@ -1,0 +1,42 @@
+"""The trainer's own fit for one optimizer step under a changed config, and the gradients it applied.
+
+The checks that hold a setting to "the same gradients either way" (mixed_precision against fp32,
+bucket_cap_mb_invariance across bucket sizes) each run the fit once per setting, watched by the
+recorder (`observe.FirstStep`: the gradients the first optimizer step applied, read in its pre-step
+hook), with the config's dropout at 0, so that the runs differ by the setting alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from ...adapter import TrainerAdapter
+from ...config import RunConfig
+from .check_context import CheckContext
+from .observe import FitRecord, unwrapped
+from .progress import guarded_fit
+
+
+def without_dropout(config: RunConfig) -> RunConfig:
+    return replace(config, model=replace(config.model, dropout=0.0))
+
+
+def with_strategy(config: RunConfig, **changes: Any) -> RunConfig:
+    """`config` with these DDP settings (`trainer.strategy`) changed."""
+    return replace(config, trainer=replace(config.trainer, strategy=replace(config.trainer.strategy, **changes)))
+
+
+def first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[str, Any], FitRecord]:
+    """The gradients the fit's first optimizer step applied, by parameter name (float64, CPU), and the
+    fit's record (as `ctx.recordings[label]`); skips when it applied none."""
+    guarded_fit(ctx, label, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
+    record = ctx.recordings[label]
+    first = record.first_step
+    if first is None or first.grads is None or record.model is None:
+        pytest.skip(f"the {label} fit's one iteration applied no optimizer step with gradients (a GradScaler skips "
+                    "the step whose scaled gradients overflow), so there is no step to compare")
+    names = [name for name, _ in unwrapped(record.model).named_parameters()]
+    return dict(zip(names, first.grads, strict=False)), record
