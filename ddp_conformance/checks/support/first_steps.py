@@ -1,9 +1,9 @@
 """The trainer's own fit for one optimizer step under a changed config, and the gradients it applied.
 
-The checks that hold a setting to "the same gradients either way" (mixed_precision against fp32,
-bucket_cap_mb_invariance across bucket sizes) each run the fit once per setting, watched by the
+The checks that hold a setting to "the same training either way" (mixed_precision's steps against
+fp32's, bucket_cap_mb_invariance's fits across bucket sizes) run the fit once per setting, watched by the
 recorder (`observe.FirstStep`: the gradients the first optimizer step applied, read in its pre-step
-hook), with the config's dropout at 0, so that the runs differ by the setting alone.
+hook, `first_step`), with the config's dropout at 0, so that the runs differ by the setting alone.
 """
 
 from __future__ import annotations
