@@ -9,9 +9,10 @@ changes with where the bucket boundaries fall.
 
 Runs the trainer's own fit for `STEPS` optimizer steps (dropout 0) with the config's bucket cap and
 with caps that bucket its gradients differently: 1 MB and 100 MB as the
-issue's guides name them, clipped to the model's gradient size (every cap above it gives the same
-single bucket after DDP's first), plus a quarter of the gradient size where 1 MB would still hold
-them in at most four buckets, so a small model is split too. Each fit's DDP must report the cap it
+guides name them, clipped to the model's gradient size (every cap above it gives the same single
+bucket after DDP's first), less the configured cap (DDP's default 25 MB where none is set), plus a
+quarter of the gradient size where 1 MB would still hold them in at most four buckets, so a small
+model is split too. Each fit's DDP must report the cap it
 was given (`bucket_bytes_cap`), or the trainer does not take it from its config. DDP lays its
 buckets out by the cap only when it rebuilds them after the first iteration (measured, torch 2.13:
 a 1.7 KB cap still all-reduced a 5 KB model as one bucket in the first backward, as two from the
@@ -46,6 +47,8 @@ MB = 1 << 20
 #: optimizer steps each fit runs: the second is the first whose all-reduce follows bucket_cap_mb
 STEPS = 2
 GUIDE_CAPS_MB = (1.0, 25.0, 100.0)
+#: DDP's cap when none is given (its first bucket is then 1 MB): not run again as a variant
+DEFAULT_CAP_MB = 25.0
 #: where 1 MB buckets would still hold the gradients in this many buckets or fewer, a quarter of their size is
 #: added, so that the comparison splits a small model too
 FEW_BUCKETS = 4
@@ -103,12 +106,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 
 def caps_to_compare(size_mb: float, configured: float | None) -> list[float]:
-    """The caps whose bucketing differs from the configured one's and from each other's: the guides'
-    caps clipped to the gradient size, and a quarter of it where 1 MB makes few buckets."""
+    """The caps whose bucketing differs from the configured one's (DDP's default 25 MB where none is
+    configured) and from each other's: the guides' caps clipped to the gradient size, and a quarter of
+    it where 1 MB makes few buckets."""
     caps = {min(cap, size_mb) for cap in GUIDE_CAPS_MB}
     if size_mb <= FEW_BUCKETS * GUIDE_CAPS_MB[0]:
         caps.add(size_mb / FEW_BUCKETS)
-    own = min(configured, size_mb) if configured is not None else None
+    own = min(configured if configured is not None else DEFAULT_CAP_MB, size_mb)
     return sorted(cap for cap in caps if cap > 0 and cap != own)
 
 
