@@ -82,22 +82,32 @@ def _structure(states: list[StartState]) -> str:
     return ""
 
 
-def _differing(states: list[StartState], name: str, digest_of: Any) -> list[int]:
-    first = digest_of(states[0], name)
-    return [rank for rank, state in enumerate(states) if rank and digest_of(state, name) != first]
+def _first_apart(states: list[StartState], names: list[str],
+                 digest_of: Any) -> tuple[str, str, list[int], str] | None:
+    """The first tensor of `names`, parameters before buffers, whose digest on some rank is not rank 0's:
+    (kind, name, those ranks, how many more of its kind differ), or None when they all agree."""
+    start = states[0].start
+    for kind in (PARAMETER, "buffer"):
+        apart = {}
+        for name in (n for n in names if start[n].kind == kind):
+            first = digest_of(states[0], name)
+            ranks = [rank for rank, state in enumerate(states) if rank and digest_of(state, name) != first]
+            if ranks:
+                apart[name] = ranks
+        if apart:
+            name, ranks = next(iter(apart.items()))
+            return kind, name, ranks, f" ({len(apart)} {kind}s in all)" if len(apart) > 1 else ""
+    return None
 
 
 def _at_start(states: list[StartState]) -> str:
     start = states[0].start
-    for kind in (PARAMETER, "buffer"):
-        names = [n for n, t in start.items() if t.kind == kind and not t.ignored]
-        apart = {n: ranks for n in names if (ranks := _differing(states, n, lambda s, n: s.start[n].digest))}
-        if apart:
-            name, ranks = next(iter(apart.items()))
-            more = f" ({len(apart)} {kind}s in all)" if len(apart) > 1 else ""
-            return (f"{kind} {name!r} differs between ranks at the first forward ({ranks_label(ranks)} against rank "
-                    f"0){more}: {_start_cause(states[0], start[name])}")
-    return ""
+    found = _first_apart(states, [n for n, t in start.items() if not t.ignored], lambda s, n: s.start[n].digest)
+    if found is None:
+        return ""
+    kind, name, ranks, more = found
+    return (f"{kind} {name!r} differs between ranks at the first forward ({ranks_label(ranks)} against rank "
+            f"0){more}: {_start_cause(states[0], start[name])}")
 
 
 def _start_cause(state: StartState, tensor: TensorState) -> str:
@@ -132,16 +142,12 @@ def _start_cause(state: StartState, tensor: TensorState) -> str:
 def _after_first_step(states: list[StartState]) -> str:
     start = states[0].start
     judged = [n for n, t in start.items() if not t.ignored and not t.forward_synced and n in states[0].after]
-    for kind in (PARAMETER, "buffer"):
-        apart = {n: ranks for n in judged if start[n].kind == kind
-                 and (ranks := _differing(states, n, lambda s, n: s.after.get(n)))}
-        if apart:
-            name, ranks = next(iter(apart.items()))
-            more = f" ({len(apart)} {kind}s in all)" if len(apart) > 1 else ""
-            head = (f"{kind} {name!r} is identical on every rank at the first forward and differs after the first "
-                    f"optimizer step ({ranks_label(ranks)} against rank 0){more}: ")
-            return head + _after_cause(states[0], start[name])
-    return ""
+    found = _first_apart(states, judged, lambda s, n: s.after.get(n))
+    if found is None:
+        return ""
+    kind, name, ranks, more = found
+    return (f"{kind} {name!r} is identical on every rank at the first forward and differs after the first optimizer "
+            f"step ({ranks_label(ranks)} against rank 0){more}: {_after_cause(states[0], start[name])}")
 
 
 def _after_cause(state: StartState, tensor: TensorState) -> str:

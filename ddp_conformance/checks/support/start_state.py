@@ -20,8 +20,6 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 PARAMETER, BUFFER = "parameter", "buffer"
 
 
@@ -94,13 +92,10 @@ def tensor_states(model: Any, wrap: WrapTime | None, digest: Any) -> dict[str, T
             ignored = wrap is not None and id(tensor) in wrap.ignored
             synced = (kind == BUFFER and not ignored and wrap is not None and wrap.forward_buffers
                       and wrap.had_buffers)
-            states[name] = TensorState(kind, digest(_plain(tensor)), known, ignored, synced)
+            states[name] = TensorState(kind, digest(tensor.detach()), known, ignored, synced)
     return states
 
 
 def after_states(model: Any, digest: Any) -> dict[str, str]:
-    return {name: digest(_plain(t)) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {name: digest(t.detach()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
-
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
