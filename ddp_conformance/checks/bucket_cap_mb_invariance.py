@@ -7,17 +7,17 @@ collective sums the ranks' values. What breaks that silently is code that acts p
 communication hook that clips, scales, compresses or drops a bucket as a whole, whose result then
 changes with where the bucket boundaries fall.
 
-Runs the trainer's own fit for `STEPS` optimizer steps (dropout 0) with the config's bucket cap and
-with caps that bucket its gradients differently: 1 MB and 100 MB as the
-guides name them, clipped to the model's gradient size (every cap above it gives the same single
-bucket after DDP's first), less the configured cap (DDP's default 25 MB where none is set), plus a
-quarter of the gradient size where 1 MB would still hold them in at most four buckets, so a small
-model is split too. Each fit's DDP must report the cap it
+Runs the trainer's own fit for `STEPS` optimizer steps (dropout 0) with caps that bucket its
+gradients differently: 1 MB and 100 MB as the guides name them, clipped to the model's gradient size
+(every cap above it gives the same single bucket after DDP's first), less the configured cap (DDP's
+default 25 MB where none is set), plus a quarter of the gradient size where 1 MB would still hold
+them in at most four buckets, so a small model is split too. Each fit's DDP must report the cap it
 was given (`bucket_bytes_cap`), or the trainer does not take it from its config. DDP lays its
 buckets out by the cap only when it rebuilds them after the first iteration (measured, torch 2.13:
 a 1.7 KB cap still all-reduced a 5 KB model as one bucket in the first backward, as two from the
-second), so the fits run two steps and their final states (parameters and buffers) are compared per
-tensor with `gradients.max_delta` (relative to the tensor's largest value).
+second), so the fits run three steps. Their final states (parameters and buffers) are compared per
+tensor with `gradients.max_delta` (relative to the tensor's largest value) with the state of the
+dropout-free fit other checks share (`shared_fit.steady`), which ran with the config's cap.
 
 Tolerance: `TOLERANCE` of that relative difference. Measured on CPU (gloo), both references, every
 config in fixtures/configs/ and the suite's, world sizes 2-4: 0, every gradient bitwise the same
@@ -37,15 +37,17 @@ import pytest
 import torch
 
 from ..adapter import TrainerAdapter, TrainState
+from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .support.first_steps import with_strategy, without_dropout
+from .support.first_steps import with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
 from .support.progress import guarded_fit
 
 MB = 1 << 20
-#: optimizer steps each fit runs: the second is the first whose all-reduce follows bucket_cap_mb
-STEPS = 2
+#: optimizer steps each fit runs, as many as the dropout-free fit it is compared with (the second is the first
+#: whose all-reduce follows bucket_cap_mb)
+STEPS = shared_fit.STEADY_STEPS
 GUIDE_CAPS_MB = (1.0, 25.0, 100.0)
 #: DDP's cap when none is given (its first bucket is then 1 MB): not run again as a variant
 DEFAULT_CAP_MB = 25.0
@@ -63,13 +65,14 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if ctx.world_size == 1:
         pytest.skip("world size 1: there is no all-reduce, so buckets only group gradients for a reduction that "
                     "does not happen")
-    config = without_dropout(ctx.config)
+    config = shared_fit.steady_config(ctx)
     configured = config.trainer.strategy.bucket_cap_mb
-    adapter = ctx.adapter(config)
+    ctx.adapter(config)
     if not ctx.takes_config:
         pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "
                     "cannot set its bucket_cap_mb")
-    own, record = _fit(ctx, "bucket-cap-configured", adapter)
+    steady = shared_fit.steady(ctx)
+    own, record = _floats(steady.state), steady.record
     reported = _reported_cap(record)
     if None in all_gather(reported):
         pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there are no buckets "
@@ -120,9 +123,12 @@ def _fit(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[s
     """The fit's state after STEPS steps (its floating-point tensors, float64), and its record."""
     state, _ = guarded_fit(ctx, label, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
     assert isinstance(state, TrainState)
-    floats = {name: t.detach().to("cpu", torch.float64) for name, t in state.params.items()
-              if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    return floats, ctx.recordings[label]
+    return _floats(state), ctx.recordings[label]
+
+
+def _floats(state: TrainState) -> dict[str, Any]:
+    return {name: t.detach().to("cpu", torch.float64) for name, t in state.params.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 
 def _gradient_mb(record: FitRecord) -> float:

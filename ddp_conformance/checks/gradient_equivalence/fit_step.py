@@ -2,9 +2,10 @@
 
 `train_step` is the adapter's restatement of one step; the loop `fit` runs may scale, accumulate or
 zero gradients differently (a loss divided by the world size in the loop, `zero_grad` on every
-micro-batch of an accumulation window, a loss never divided by the accumulation). So a one-step fit
-runs under the recorder (`observe.FirstStep`), which keeps the parameters before its first
-micro-batch, the gradients its optimizer applied, and the dataset indices each rank's loader drew.
+micro-batch of an accumulation window, a loss never divided by the accumulation). So the
+dropout-free fit other checks share (`shared_fit.steady`) runs under the recorder
+(`observe.FirstStep`), which keeps the parameters before its first micro-batch, the gradients its
+first optimizer step applied, and the dataset indices each rank's loader drew.
 Every rank then recomputes in one process (`world_of_one`, the trainer as set up in a world of one)
 the gradient of all the samples the ranks drew for that step, from those parameters, with the
 trainer's `loss`, and compares per parameter with the same tolerance as the first look.
@@ -20,19 +21,16 @@ both legitimately applied to the averaged gradient: noted, not failed.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ...adapter import NotProvided
+from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from ..support.gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
 from ..support.observe import FitRecord, trains_batchnorm
 from ..support.one_world import world_of_one
-from ..support.progress import guarded_fit
-
-LABEL = "fit_step"
 
 
 def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[str, Any]) -> None:
@@ -42,19 +40,16 @@ def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[st
     if not ctx.shared:
         ctx.note("the fit's first step is not judged: the ranks share no directory to watch a fit through")
         return
-    config = ctx.config
-    if config.model.dropout:
-        config = replace(config, model=replace(config.model, dropout=0.0))
+    config = shared_fit.steady_config(ctx)
     adapter = ctx.adapter(config)
     if config is not ctx.config:  # the reference without dropout too (else the dropout-free adapter)
         single = single_process_adapter(ctx, config) or adapter
     try:
-        guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
+        record = shared_fit.steady(ctx).record
     except NotProvided as exc:  # the first look stands on its own
         figures["fit_step"] = "not judged"
         ctx.note(f"the fit's first optimizer step is not judged: {exc}")
         return
-    record = ctx.recordings[LABEL]
     problems = [p for p in all_gather(_unjudgeable(record)) if p]
     if problems:
         figures["fit_step"] = "not judged"

@@ -1,5 +1,5 @@
-"""The observed fit that sampler_disjointness and resume_fidelity both judge, run once per trainer,
-configuration and group, and kept in the rank's process for the session.
+"""The fits several checks judge, each run once per trainer, configuration and group, and kept in the
+rank's process for the session.
 
 Both checks watch one long fit from scratch: sampler_disjointness the indices its training loader drew
 over three whole epochs, resume_fidelity its final state (the run a resume must reproduce), the ranks'
@@ -9,6 +9,11 @@ a third fit that stopped at resume_fidelity's checkpoint step k. Now the first o
 fits once to the horizon both need, `max(n, 3E + 1)`, writing the checkpoint at k on the way wherever
 the trainer writes it there and nowhere else (`TrainerAdapter.checkpoints_once`), and the other check
 reads what the recorder saw.
+
+The probe also serves the checks that read the fit's start (initial_sync, sync_batchnorm,
+bucket_view_memory's fit flag). A third fit, `steady`, runs `STEADY_STEPS` with dropout 0: the side
+that stays as configured where a check runs the fit again with one setting changed
+(bucket_cap_mb_invariance), and the fit whose first optimizer step gradient_equivalence recomputes.
 
 Evidence is reused only where it is the same fit (`kept.py` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
@@ -32,6 +37,7 @@ from typing import Any, TypeVar
 from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
 from .check_context import CheckContext
+from .first_steps import without_dropout
 from .kept import kept_or_run
 from .observe import FitRecord
 from .progress import Progress, guarded_fit
@@ -39,6 +45,9 @@ from .vacuity import TrainingEvidence
 
 #: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
 WHOLE_EPOCHS = 3
+#: optimizer steps of the dropout-free fit: DDP buckets by bucket_cap_mb from the second iteration, and with
+#: static_graph relies on the first iteration's graph from the second on
+STEADY_STEPS = 3
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
 FORCED_DROPOUT = 0.1
 #: what each check that asked for evidence says it did, under its figures' "shared_fits"
@@ -52,6 +61,17 @@ class Probe:
     """The one-step fit that measures the training loader (its passes' lengths, micro-batches a step)."""
 
     record: FitRecord
+    ran_in: str
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A few steps of the config's own fit with dropout 0, from scratch: the side that stays as
+    configured when a check changes one setting, and the fit whose first step gradient_equivalence
+    recomputes."""
+
+    record: FitRecord  # with its first optimizer step's gradients (`observe.FirstStep`)
+    state: TrainState
     ran_in: str
 
 
@@ -112,6 +132,26 @@ def probe(ctx: CheckContext) -> FitRecord:
     held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
     ctx.recordings["probe"] = held.record
     return held.record
+
+
+def steady_config(ctx: CheckContext) -> RunConfig:
+    """The run's config with dropout 0, so that two fits differ by the setting a check changes alone."""
+    return ctx.config if ctx.config.model.dropout == 0 else without_dropout(ctx.config)
+
+
+def steady(ctx: CheckContext) -> Steady:
+    """`STEADY_STEPS` of the dropout-free fit (as `ctx.recordings["steady"]`), run here unless held."""
+    config = steady_config(ctx)
+
+    def run() -> Steady:
+        state, _ = guarded_fit(ctx, "steady", STEADY_STEPS,
+                               lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs), first_step=True)
+        assert isinstance(state, TrainState)
+        return Steady(ctx.recordings["steady"], state, ctx.check_id)
+
+    held = held_or_run(ctx, "steady", evidence_key(ctx, config, "steady", STEADY_STEPS), run)
+    ctx.recordings["steady"] = held.record
+    return held
 
 
 def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
