@@ -39,6 +39,7 @@ CHECK_IDS: tuple[str, ...] = (
     "mixed_precision",
     "initial_sync",
     "bucket_cap_mb_invariance",
+    "static_graph",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

@@ -34,12 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from ..adapter import TrainerAdapter, TrainState
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .support.first_steps import with_strategy
+from .support.first_steps import final_floats, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
 from .support.progress import guarded_fit
@@ -72,7 +71,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "
                     "cannot set its bucket_cap_mb")
     steady = shared_fit.steady(ctx)
-    own, record = _floats(steady.state), steady.record
+    own, record = final_floats(steady.state), steady.record
     reported = _reported_cap(record)
     if None in all_gather(reported):
         pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there are no buckets "
@@ -123,12 +122,7 @@ def _fit(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[s
     """The fit's state after STEPS steps (its floating-point tensors, float64), and its record."""
     state, _ = guarded_fit(ctx, label, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
     assert isinstance(state, TrainState)
-    return _floats(state), ctx.recordings[label]
-
-
-def _floats(state: TrainState) -> dict[str, Any]:
-    return {name: t.detach().to("cpu", torch.float64) for name, t in state.params.items()
-            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return final_floats(state), ctx.recordings[label]
 
 
 def _gradient_mb(record: FitRecord) -> float:

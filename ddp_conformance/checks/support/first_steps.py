@@ -1,9 +1,10 @@
-"""The trainer's own fit for one optimizer step under a changed config, and the gradients it applied.
+"""The trainer's own fit under a changed config: its first optimizer step's gradients, or its final state.
 
 The checks that hold a setting to "the same training either way" (mixed_precision's steps against
-fp32's, bucket_cap_mb_invariance's fits across bucket sizes) run the fit once per setting, watched by the
-recorder (`observe.FirstStep`: the gradients the first optimizer step applied, read in its pre-step
-hook, `first_step`), with the config's dropout at 0, so that the runs differ by the setting alone.
+fp32's, bucket_cap_mb_invariance's fits across bucket sizes, static_graph's with and without) run the
+fit once per setting with the config's dropout at 0, so that the runs differ by the setting alone,
+and compare the gradients the first optimizer step applied (`first_step`: `observe.FirstStep`, read in
+its pre-step hook) or the final states (`final_floats`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
-from ...adapter import TrainerAdapter
+from ...adapter import TrainerAdapter, TrainState
 from ...config import RunConfig
 from .check_context import CheckContext
 from .observe import FitRecord, unwrapped
@@ -27,6 +29,13 @@ def without_dropout(config: RunConfig) -> RunConfig:
 def with_strategy(config: RunConfig, **changes: Any) -> RunConfig:
     """`config` with these DDP settings (`trainer.strategy`) changed."""
     return replace(config, trainer=replace(config.trainer, strategy=replace(config.trainer.strategy, **changes)))
+
+
+def final_floats(state: TrainState) -> dict[str, Any]:
+    """A fit's final floating-point tensors (parameters and buffers) by name, float64 on the CPU: what
+    two fits that differ by one setting are compared by (`gradients.max_delta`)."""
+    return {name: t.detach().to("cpu", torch.float64) for name, t in state.params.items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 
 def first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[str, Any], FitRecord]:

@@ -1,0 +1,156 @@
+"""static_graph: where the config turns `static_graph` on, the fit's DDP has it and trains as without
+it; where the config leaves it off, whether the trainer's model could take it.
+
+The guides turn `static_graph: true` on "if the model structure is fixed", for speed: DDP records the
+first iteration's graph (which parameters get gradients) and relies on it from the second iteration
+on. What breaks it, measured on torch 2.13 (docs/checks.md): a parameter used in some iterations and
+not in others ("Your training graph has changed", or "Expected to have finished reduction" one
+iteration later), and `no_sync` in the first iteration, as stock Lightning's DDPStrategy does with
+`accumulate_grad_batches > 1` (an INTERNAL ASSERT in DDP's reducer, pytorch#143580). All of these
+raise; none was seen to train on silently. What does go silently wrong is a `static_graph: true`
+that never reaches DDP: a strategy or wrap that lists the DDP kwargs by hand.
+
+Runs: the dropout-free fit other checks share (`shared_fit.steady`, `STEPS` optimizer steps with the
+config's setting) and the same fit with the setting flipped. The fit without a static graph runs with
+`find_unused_parameters=True`, DDP's mode for any graph, so that a model whose parameters are
+consistently unused (which a static graph handles) trains there too. The two final states
+(parameters and buffers) are compared per tensor, relative to each tensor's largest value, within
+`TOLERANCE` (an all-reduce per micro-batch against one per accumulation window sums in another
+order; measured: docs/checks.md). The static fit's DDP must report the flag.
+
+Verdicts: where the config sets `static_graph: true`, a fit that raises with it while the fit without
+it trains, or that ends elsewhere, fails, naming the cause (the error's first line; `no_sync` in the
+first iteration where the recorder saw it); a flag that never reaches DDP fails. Where the config
+leaves it off, the same findings are a skip that says whether it could be turned on. A fit that
+raises either way is the trainer's error, not this check's verdict. Skips, with the reason: a world
+of one (no DDP reducer to rely on a graph), a trainer that runs its own command line (the harness
+cannot set its flag), a fit through no DDP, a trainer whose DDP ignores the config's flag when the
+config sets none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ..adapter import TrainState
+from .support import shared_fit
+from .support.adapter_errors import AdapterError
+from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.first_steps import final_floats, with_strategy
+from .support.gradients import max_delta
+from .support.observe import FitRecord
+from .support.progress import guarded_fit
+
+#: optimizer steps of each fit: DDP records the graph in the first iteration and relies on it from the second
+STEPS = shared_fit.STEADY_STEPS
+#: the largest relative difference per tensor between the two fits that counts as summation order: measured on
+#: CPU (gloo), both references, every config in fixtures/configs/ and the suite's, up to 4.6e-7 (docs/checks.md)
+TOLERANCE = 1e-5
+ISSUE_143580 = "https://github.com/pytorch/pytorch/issues/143580"
+
+
+class _Fit:
+    """One side of the comparison: its final state (None: it raised) and its record."""
+
+    def __init__(self, state: TrainState | None, record: FitRecord | None, error: AdapterError | None) -> None:
+        self.state, self.record, self.error = state, record, error
+
+    @property
+    def static(self) -> bool | None:
+        """What the fit's DDP reports (None: the fit ran through no DDP)."""
+        if self.record is None or self.record.ddp is None:
+            return None
+        return bool(self.record.ddp.get("static_graph"))
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    if ctx.world_size == 1:
+        pytest.skip("world size 1: no gradient is all-reduced, so DDP's reducer has no graph to rely on")
+    config = shared_fit.steady_config(ctx)
+    configured = bool(config.trainer.strategy.static_graph)
+    ctx.adapter(config)
+    if not ctx.takes_config:
+        pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "
+                    "cannot set its static_graph")
+    own = _steady(ctx)
+    flipped = with_strategy(config, static_graph=not configured,
+                            **({} if not configured else {"find_unused_parameters": True}))
+    other = _fit(ctx, "static-graph-flipped", ctx.adapter(flipped))
+    static, dynamic = (own, other) if configured else (other, own)
+    if dynamic.error is not None:  # the fit fails without a static graph too: the trainer's own error
+        raise dynamic.error
+    if None in all_gather(dynamic.static):
+        pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there is no static_graph "
+                    "(rank_participation judges the wrapping)")
+    figures: dict[str, Any] = {"steps": STEPS, "configured": configured}
+    if static.error is None and not all(all_gather(static.static)):
+        if configured:
+            raise ctx.fail("static_graph: true never reaches DDP: the DistributedDataParallel the fit builds reports "
+                           "static_graph=False (does the fit build its DDP, or a Lightning strategy's, from kwargs "
+                           "listed by hand?)", **figures)
+        pytest.skip("the trainer's DDP does not take static_graph from the config (asked for True, its DDP reports "
+                    "False): there is nothing to compare")
+    problem = _raised(static) if static.error is not None else _compare(ctx, static, dynamic, figures)
+    return _conclude(ctx, configured, problem, figures)
+
+
+def _steady(ctx: CheckContext) -> _Fit:
+    try:
+        steady = shared_fit.steady(ctx)
+    except AdapterError as exc:
+        return _Fit(None, ctx.recordings.get("steady"), exc)
+    return _Fit(steady.state, steady.record, None)
+
+
+def _fit(ctx: CheckContext, label: str, adapter: Any) -> _Fit:
+    try:
+        state, _ = guarded_fit(ctx, label, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
+    except AdapterError as exc:
+        return _Fit(None, ctx.recordings.get(label), exc)
+    return _Fit(state, ctx.recordings[label], None)
+
+
+def _compare(ctx: CheckContext, static: _Fit, dynamic: _Fit, figures: dict[str, Any]) -> str:
+    assert static.state is not None and dynamic.state is not None
+    name, delta, scale = max_delta(final_floats(static.state), final_floats(dynamic.state))
+    relative = max(all_gather(delta / scale if scale else 0.0))
+    figures.update(max_rel_delta=relative, worst_tensor=name, static_fit="trained")
+    if relative <= TOLERANCE:
+        return ""
+    return (f"with static_graph=True the fit ends elsewhere after {STEPS} steps ({name} differs by {fmt(relative)} of "
+            f"its largest value from the fit without it, summation order allows {fmt(TOLERANCE)})")
+
+
+def _raised(static: _Fit) -> str:
+    """The cause of the static fit's error, in words: no_sync in the first iteration, or a graph that changes."""
+    cause = static.error.__cause__ if static.error is not None and static.error.__cause__ else static.error
+    text = str(cause).strip()
+    first = text.splitlines()[0][:200] if text else type(cause).__name__
+    record = static.record
+    if record is not None and record.optimizer_steps == 0 and record.synced and not record.synced[0]:
+        return (f"DDP raises in the first iteration, whose first micro-batch runs under no_sync() "
+                f"({type(cause).__name__}: {first}): a fresh static-graph DDP cannot start an accumulation window "
+                f"under no_sync (pytorch#143580, {ISSUE_143580}; stock Lightning's DDPStrategy does this with "
+                "accumulate_grad_batches > 1): sync every micro-batch while static_graph is on")
+    return (f"DDP raises during the fit ({type(cause).__name__}: {first}): the model's graph is not the same every "
+            "iteration (a parameter used in some iterations and not in others)")
+
+
+def _conclude(ctx: CheckContext, configured: bool, problem: str, figures: dict[str, Any]) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    problems = [p for p in all_gather(problem) if p]
+    figures.setdefault("static_fit", "raised")
+    if problems and configured:
+        raise ctx.fail(f"static_graph: true does not hold for this model: {problems[0]}", **figures)
+    ctx.figures.update(figures)
+    if problems:
+        pytest.skip(f"static_graph is off in the config, and this model cannot take it: {problems[0]}")
+    if not configured:
+        pytest.skip(f"static_graph is off in the config; the model can take it: with static_graph=True its fit "
+                    f"ends where it ends without it after {STEPS} steps (max relative difference "
+                    f"{fmt(figures['max_rel_delta'])})")
+    figures["summary"] = f"static graph: same {STEPS} steps"
+    return figures
