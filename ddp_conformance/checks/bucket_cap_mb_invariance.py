@@ -19,11 +19,14 @@ second), so the fits run three steps. Their final states (parameters and buffers
 tensor with `gradients.max_delta` (relative to the tensor's largest value) with the state of the
 dropout-free fit other checks share (`shared_fit.steady`), which ran with the config's cap.
 
-Tolerance: `TOLERANCE` of that relative difference. Measured on CPU (gloo), both references, every
-config in fixtures/configs/ and the suite's, world sizes 2-4: 0, every gradient bitwise the same
-whatever the cap. The bound allows a collective that sums the ranks in another order per chunk
-(NCCL's ring splits a bucket into chunks): float32's 1.2e-7 per addition, over up to 8 ranks. On a GPU
-the bound is not yet measured, and the figures say so.
+Tolerance: `TOLERANCE` of that relative difference. Measured on CPU (gloo), world size 2: 0, every
+tensor bitwise the same whatever the cap (two ranks sum one pair, the same in any order). From three
+ranks gloo's ring sums each element in an order set by its place in the bucket, so another cap is
+another rounding, which three steps of training carry on: both references, every config in
+fixtures/configs/ and the suite's, up to 4.6e-7 at world size 3 and 5.6e-7 at 4; Lightning's demo
+transformer (55.8 MB), 4.5e-6 at world size 3 and 1.8e-6 at 4. The bound is 20 times that; a communication hook that clips
+per bucket moves the references by 0.08. On a GPU the bound is not yet measured, and the figures say
+so.
 Skips, with the reason: a world of one (no all-reduce), a trainer that runs its own command
 line (a script: the harness cannot set its cap), a trainer whose DDP ignores the config's cap when
 the config sets none (nothing to vary; where the config sets one that never reaches DDP, a failure).
@@ -53,9 +56,9 @@ DEFAULT_CAP_MB = 25.0
 #: where 1 MB buckets would still hold the gradients in this many buckets or fewer, a quarter of their size is
 #: added, so that the comparison splits a small model too
 FEW_BUCKETS = 4
-#: the largest per-parameter relative difference between caps that counts as summation order: 0 measured on CPU
-#: (docstring); float32's 1.2e-7 a reordered addition, over up to 8 ranks
-TOLERANCE = 1e-6
+#: the largest per-tensor relative difference between caps that counts as summation order: up to 4.5e-6 measured
+#: on CPU after three steps (docstring)
+TOLERANCE = 1e-4
 MEASURED_ON = ("cpu",)
 
 
