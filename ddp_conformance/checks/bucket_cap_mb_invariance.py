@@ -24,9 +24,9 @@ tensor bitwise the same whatever the cap (two ranks sum one pair, the same in an
 ranks gloo's ring sums each element in an order set by its place in the bucket, so another cap is
 another rounding, which three steps of training carry on: both references, every config in
 fixtures/configs/ and the suite's, up to 4.6e-7 at world size 3 and 5.6e-7 at 4; Lightning's demo
-transformer (55.8 MB), 4.5e-6 at world size 3 and 1.8e-6 at 4. The bound is 20 times that; a communication hook that clips
-per bucket moves the references by 0.08. On a GPU the bound is not yet measured, and the figures say
-so.
+transformer (55.8 MB), 4.5e-6 at world size 3 and 1.8e-6 at 4. The bound is 20 times that; a
+communication hook that clips per bucket moves the references by 0.08. On a GPU the bound is not yet
+measured, and the figures say so.
 Skips, with the reason: a world of one (no all-reduce), a trainer that runs its own command
 line (a script: the harness cannot set its cap), a trainer whose DDP ignores the config's cap when
 the config sets none (nothing to vary; where the config sets one that never reaches DDP, a failure).
