@@ -139,13 +139,14 @@ def _raised(static: _Fit) -> str:
     text = str(cause).strip()
     first = text.splitlines()[0][:200] if text else type(cause).__name__
     record = static.record
+    raised = f"{type(cause).__name__}: {first}"
     if record is not None and record.optimizer_steps == 0 and record.synced and not record.synced[0]:
-        return (f"DDP raises in the first iteration, whose first micro-batch runs under no_sync() "
-                f"({type(cause).__name__}: {first}): a fresh static-graph DDP cannot start an accumulation window "
-                f"under no_sync (pytorch#143580, {ISSUE_143580}; stock Lightning's DDPStrategy does this with "
-                "accumulate_grad_batches > 1): sync every micro-batch while static_graph is on")
-    return (f"DDP raises during the fit ({type(cause).__name__}: {first}): the model's graph is not the same every "
-            "iteration (a parameter used in some iterations and not in others)")
+        return ("its first micro-batch runs under no_sync(), and a fresh static-graph DDP cannot start an "
+                f"accumulation window under no_sync (pytorch#143580, {ISSUE_143580}; stock Lightning's DDPStrategy "
+                "does this with accumulate_grad_batches > 1): sync every micro-batch while static_graph is on. "
+                f"DDP raised in the first iteration: {raised}")
+    return ("the model's graph is not the same every iteration (a parameter used in some iterations and not in "
+            f"others). DDP raised during the fit: {raised}")
 
 
 def _conclude(ctx: CheckContext, configured: bool, problem: str, figures: dict[str, Any]) -> dict[str, Any]:
