@@ -13,7 +13,8 @@ reads what the recorder saw.
 The probe also serves the checks that read the fit's start (initial_sync, sync_batchnorm,
 bucket_view_memory's fit flag). A third fit, `steady`, runs `STEADY_STEPS` with dropout 0: the side
 that stays as configured where a check runs the fit again with one setting changed
-(bucket_cap_mb_invariance), and the fit whose first optimizer step gradient_equivalence recomputes.
+(bucket_cap_mb_invariance, static_graph), and the fit whose first optimizer step gradient_equivalence
+recomputes.
 
 Evidence is reused only where it is the same fit (`kept.py` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
