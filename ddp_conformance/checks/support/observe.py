@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import numbers
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -237,7 +238,7 @@ class FitRecorder:
         the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
         another fit's parameters sets them there). `snapshot_at=k`: keep the fit's state right after
         optimizer step k (`StepSnapshot`). `digest_steps`: digest the parameters after each of the first
-        DIGESTED_STEPS steps (`FitRecord.step_digests`; 40 ms a step for 58 MB of parameters).
+        DIGESTED_STEPS steps (`FitRecord.step_digests`; 9 ms a step for 58 MB of parameters).
         `watch_norms`: record the BatchNorm layers' first micro-batch (`norm_stats.NormWatch`).
         `watch_start`: digest the model's tensors at its first forward and at the fit's end (`start_state`)."""
         self.record = FitRecord()
@@ -475,7 +476,7 @@ class FitRecorder:
             grads = [p.grad for p in record.model.parameters() if p.grad is not None]
             record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
         if self._digest_steps and record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
-            record.step_digests.append(input_digest([p.detach() for p in record.model.parameters()]))
+            record.step_digests.append(step_digest([p.detach() for p in record.model.parameters()]))
         if optimizer is record.optimizer:
             self._lead_steps += 1
         if self._lead_steps == self._snapshot_at and record.model is not None:
@@ -674,6 +675,30 @@ def input_digest(value: Any) -> str:
     digest = hashlib.sha1()
     _digest_into(digest, value)
     return digest.hexdigest()[:16]
+
+
+class _Crc32:
+    """hashlib's `update`/`hexdigest` over zlib's CRC-32, which reads 58 MB in 9 ms where SHA-1 takes 28
+    (measured on the 2-core CI machine): a fit digests its parameters after each of its first
+    DIGESTED_STEPS steps, which with SHA-1 was a sixth of the demo transformer's shared fit."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def step_digest(parameters: list[Any]) -> str:
+    """A digest of the parameters after an optimizer step, only ever compared with another fit's or
+    rank's digest of the same step: a chance collision (2**-32) would hide one difference, where
+    parameters that part stay apart over the following steps."""
+    digest = _Crc32()
+    _digest_into(digest, parameters)
+    return digest.hexdigest()
 
 
 def fed_digest(inputs: Any) -> str | None:

@@ -459,3 +459,20 @@ def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimiz
     snapshot = record.snapshot
     assert snapshot is not None and snapshot.step == 2 and snapshot.micro_batches == 2
     assert all(torch.equal(snapshot.state[k], v) for k, v in after[1].items())  # after both optimizers of step 2
+
+
+def test_a_step_digest_tells_one_ulp_in_one_parameter_and_nothing_else() -> None:
+    import torch
+
+    from ddp_conformance.checks.support.observe import step_digest
+
+    torch.manual_seed(0)
+    parameters = [torch.randn(300, 7), torch.randn(11)]
+    same = [p.clone() for p in parameters]
+    assert step_digest(parameters) == step_digest(same)
+    for index in (0, 1):
+        moved = [p.clone() for p in parameters]
+        flat = moved[index].view(-1)
+        flat[5] = torch.nextafter(flat[5], torch.tensor(float("inf")))
+        assert step_digest(moved) != step_digest(parameters)
+    assert step_digest(parameters) != step_digest(parameters[::-1])  # which tensor holds what counts too
