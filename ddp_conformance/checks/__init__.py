@@ -40,6 +40,7 @@ CHECK_IDS: tuple[str, ...] = (
     "initial_sync",
     "bucket_cap_mb_invariance",
     "static_graph",
+    "uneven_inputs",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

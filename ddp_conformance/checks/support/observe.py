@@ -25,6 +25,9 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   batch the newest pass last yielded and how many it had yielded (a script that reads its loader
   ahead of its forwards yields more than one per micro-batch), for a rerun fed the same batches.
 
+- every `torch.distributed.algorithms.Join` the fit builds (DDP's `join()` builds one), by wrapping its
+  `__init__`: what it joins, and whether it is enabled and throws on early termination.
+
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
 the adapter's own vocabulary (`on_wrapped`, `before_step`, `after_step`), derived from the hooks,
@@ -47,6 +50,7 @@ from typing import Any, NamedTuple
 from unittest import mock
 
 import torch
+from torch.distributed.algorithms.join import Join
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -143,6 +147,14 @@ class StepSnapshot:
     rng: dict[str, Any] = field(default_factory=dict, repr=False)  # the process's RNGs (`capture_rng_state`)
 
 
+class JoinUse(NamedTuple):
+    """One `torch.distributed.algorithms.Join` the fit built: what it joins and how."""
+
+    joinables: tuple[str, ...]  # the class names of the Joinables it shadows (DistributedDataParallel, ...)
+    enable: bool
+    throw_on_early_termination: bool
+
+
 @dataclass
 class FitRecord:
     """Everything one fit did on this rank, as the hooks saw it."""
@@ -184,6 +196,7 @@ class FitRecord:
     # with watch_start: every parameter and buffer at the first forward and at the fit's end (`start_state`)
     start_state: StartState | None = field(default=None, repr=False)
     wraps: dict[int, WrapTime] = field(default_factory=dict, repr=False)  # id(module) -> what its DDP took over
+    joins: list[JoinUse] = field(default_factory=list)  # every `Join` context the fit built (DDP's `join()` too)
 
     @property
     def optimizer(self) -> Any:
@@ -276,6 +289,7 @@ class FitRecorder:
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
         self._patch(DistributedDataParallel, "__init__", self._ddp_init)
+        self._patch(Join, "__init__", self._join_init)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -499,6 +513,20 @@ class FitRecorder:
             if watch:
                 bound = bind_ddp_arguments(original, ddp, module, args, kwargs)
                 record.wraps[id(module)] = WrapTime.of(ddp, module, bound)
+
+        return __init__
+
+    def _join_init(self, original: Any) -> Any:
+        record = self.record
+        signature = inspect.signature(original)
+
+        def __init__(join: Any, *args: Any, **kwargs: Any) -> None:
+            original(join, *args, **kwargs)
+            bound = signature.bind(join, *args, **kwargs)
+            bound.apply_defaults()
+            record.joins.append(JoinUse(tuple(type(j).__name__ for j in bound.arguments["joinables"]),
+                                        bool(bound.arguments["enable"]),
+                                        bool(bound.arguments["throw_on_early_termination"])))
 
         return __init__
 

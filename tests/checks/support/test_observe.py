@@ -476,3 +476,23 @@ def test_a_step_digest_tells_one_ulp_in_one_parameter_and_nothing_else() -> None
         flat[5] = torch.nextafter(flat[5], torch.tensor(float("inf")))
         assert step_digest(moved) != step_digest(parameters)
     assert step_digest(parameters) != step_digest(parameters[::-1])  # which tensor holds what counts too
+
+
+@pytest.mark.ddp(world_size=2)
+def test_recorder_sees_ddp_join_and_how_it_is_entered(ddp):
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_conformance.checks.support.observe import FitRecorder, JoinUse
+
+    model = DistributedDataParallel(nn.Linear(3, 1))
+    with FitRecorder() as recorder:
+        with model.join(throw_on_early_termination=True):
+            model(torch.randn(2, 3)).sum().backward()
+        with Join([model], enable=False):
+            model(torch.randn(2, 3)).sum().backward()
+    assert recorder.record.joins == [JoinUse(("DistributedDataParallel",), True, True),
+                                     JoinUse(("DistributedDataParallel",), False, False)]
+    assert Join.__init__.__qualname__ == "Join.__init__"  # put back after the fit
