@@ -41,6 +41,7 @@ CHECK_IDS: tuple[str, ...] = (
     "bucket_cap_mb_invariance",
     "static_graph",
     "uneven_inputs",
+    "accumulation_equivalence",
 )
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)

@@ -49,6 +49,9 @@ NOT_APPLICABLE = {"sync_batchnorm": ("has no BatchNorm layer", "ran on cpu"),
                                    "runs its own command line, not the harness's config"),
                   # a trainer that never enters DDP's join must be given equal batch counts, which its loaders give
                   "uneven_inputs": ("the fit uses no DDP join",),
+                  # the suite's config accumulates no gradients; the fixtures that accumulate set it in their setup
+                  "accumulation_equivalence": ("the config asks for no gradient accumulation",
+                                               "runs its own command line, not the harness's config"),
                   # a guide's config with the flag off (tiny.yaml), where a fixture needs that config's other settings
                   "bucket_view_memory": ("its config sets it false",)}
 

@@ -76,10 +76,11 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"proc": proc, "results": {name: by_spec[trainer] for name, trainer in specs.items()}}
 
 
-# the session runs the modules as they are, in fp32, with no BatchNorm and static_graph off, and Lightning never
-# enters DDP's join: four checks have nothing to judge (static_graph says whether the model could take it)
+# the session runs the modules as they are, in fp32, with no BatchNorm, static_graph off and no accumulation, and
+# Lightning never enters DDP's join: five checks have nothing to judge (static_graph says whether the model could
+# take it)
 NOT_EXERCISED = {"sync_batchnorm": "skipped", "mixed_precision": "skipped", "static_graph": "skipped",
-                 "uneven_inputs": "skipped"}
+                 "uneven_inputs": "skipped", "accumulation_equivalence": "skipped"}
 
 
 def assert_not_exercised(results: dict[str, Any]) -> None:
@@ -87,6 +88,7 @@ def assert_not_exercised(results: dict[str, Any]) -> None:
     assert "there is no mixed precision to compare" in results["mixed_precision"]["message"]
     assert "static_graph is off in the config; the model can take it" in results["static_graph"]["message"]
     assert "the fit uses no DDP join" in results["uneven_inputs"]["message"], results["uneven_inputs"]
+    assert "asks for no gradient accumulation" in results["accumulation_equivalence"]["message"]
 
 
 def outcomes(results: dict[str, Any]) -> dict[str, str]:

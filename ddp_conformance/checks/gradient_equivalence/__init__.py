@@ -77,7 +77,9 @@ class GlobalBatch:
 def _global_batch(ctx: CheckContext, adapter: Any) -> GlobalBatch:
     """The dataset's first items, enough for the first step and EXTRA_STEPS more; skips when the ranks'
     datasets differ (then there is no one global batch to compare DDP's gradient with)."""
-    config = ctx.config
+    # the trainer's own config after its setup: a trainer that sets its own accumulation splits its shard by it,
+    # and a shard that does not divide evenly (4 items in 3 micro-batches) averages unequal micro-batches
+    config = getattr(adapter, "config", None) or ctx.config
     per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
     need = per_rank * ctx.world_size * (1 + EXTRA_STEPS)
     dataset = adapter.make_dataset(max(need, config.data.size))

@@ -16,11 +16,15 @@ training mode (each rank normalises by its own micro-batch), no dataset indices 
 micro-batches of unequal sizes, a model whose parameters do not match `make_model`'s. Dropout from the
 run config is set to 0 for this fit. A uniform scale below 1 that is no known bug's ratio is gradient
 clipping by norm, and the gradients clamped to one bound are clipping by value (`gradients.clipping`),
-both legitimately applied to the averaged gradient: noted, not failed.
+both legitimately applied to the averaged gradient: noted, not failed. A cause inside the
+accumulation window (a loss divided by the accumulation twice or never, micro-batches thrown away by
+`zero_grad`) is accumulation_equivalence's verdict, which reads the same comparison
+(`first_step_compared`): noted here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,18 +32,47 @@ import torch
 from ...adapter import NotProvided
 from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from ..support.gradients import clipping, fit_diagnosis, max_delta, single_process_adapter
+from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
 from ..support.observe import FitRecord, trains_batchnorm
 from ..support.one_world import world_of_one
 
 
 def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[str, Any]) -> None:
     """Fail when the gradients the fit's first optimizer step applied are not the single-process
-    gradient of the samples its ranks drew; `single` is the first look's world-of-one adapter."""
+    gradient of the samples its ranks drew; `single` is the first look's world-of-one adapter. A cause
+    inside the accumulation window is accumulation_equivalence's verdict: noted here."""
+    __tracebackhide__ = hide_on_verdict
+    compared = first_step_compared(ctx, single, rtol)
+    if isinstance(compared, str):
+        figures["fit_step"] = "not judged"
+        ctx.note(compared)
+        return
+    figures.update(compared.figures)
+    verdicts = [v for v in all_gather(compared.verdict) if v]
+    if verdicts and is_accumulation_cause(verdicts[0]):
+        ctx.note(f"the fit's first optimizer step is accumulation_equivalence's to judge: {verdicts[0]}")
+    elif verdicts:
+        raise ctx.fail(verdicts[0], **figures)
+    elif compared.clipped:
+        ctx.note(f"the fit's first step's gradients are {compared.clipped}")
+
+
+@dataclass
+class FirstStepCompared:
+    """The fit's first optimizer step against the single-process gradient of the samples its ranks drew."""
+
+    verdict: str  # this rank's diagnosis (`gradients.fit_diagnosis`), "" when within the tolerance or clipped
+    clipped: str  # clipping by norm or value, in words, when that is what the difference is
+    micro_batches: int  # in that step, on this rank
+    figures: dict[str, Any]
+
+
+def first_step_compared(ctx: CheckContext, single: Any, rtol: float) -> FirstStepCompared | str:
+    """The comparison of the dropout-free fit's first optimizer step (`shared_fit.steady`), or why it
+    cannot be made (collective: every rank returns the same kind)."""
     __tracebackhide__ = hide_on_verdict
     if not ctx.shared:
-        ctx.note("the fit's first step is not judged: the ranks share no directory to watch a fit through")
-        return
+        return "the fit's first step is not judged: the ranks share no directory to watch a fit through"
     config = shared_fit.steady_config(ctx)
     adapter = ctx.adapter(config)
     if config is not ctx.config:  # the reference without dropout too (else the dropout-free adapter)
@@ -47,23 +80,17 @@ def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[st
     try:
         record = shared_fit.steady(ctx).record
     except NotProvided as exc:  # the first look stands on its own
-        figures["fit_step"] = "not judged"
-        ctx.note(f"the fit's first optimizer step is not judged: {exc}")
-        return
+        return f"the fit's first optimizer step is not judged: {exc}"
     problems = [p for p in all_gather(_unjudgeable(record)) if p]
     if problems:
-        figures["fit_step"] = "not judged"
-        ctx.note(f"the fit's first optimizer step is not recomputed: {problems[0]}")
-        return
+        return f"the fit's first optimizer step is not recomputed: {problems[0]}"
     first = record.first_step
     assert first is not None and first.grads is not None
     drawn = all_gather(_as_in(adapter.make_dataset(), record.training_passes()[0])[:first.micro_batches])
     if len({len(batch) for batches in drawn for batch in batches}) > 1:
-        figures["fit_step"] = "not judged"
-        ctx.note("the fit's first optimizer step is not recomputed: its micro-batches differ in size, so their "
-                 "mean is not the mean over their samples")
-        return
-    _compare(ctx, adapter, single, record, drawn, rtol, figures)
+        return ("the fit's first optimizer step is not recomputed: its micro-batches differ in size, so their mean "
+                "is not the mean over their samples")
+    return _compare(ctx, adapter, single, record, drawn, rtol)
 
 
 def _as_in(dataset: Any, first: Any) -> list[list[int]]:
@@ -91,7 +118,7 @@ def _unjudgeable(record: FitRecord) -> str:
 
 
 def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, drawn: list[list[list[int]]],
-             rtol: float, figures: dict[str, Any]) -> None:
+             rtol: float) -> FirstStepCompared | str:
     first = record.first_step
     assert first is not None and first.grads is not None
     dataset = adapter.make_dataset()
@@ -101,24 +128,20 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
         return _recomputed(single, adapter.collate, first.params, items)
 
     whole = gradient(drawn)
-    if whole is None:
-        figures["fit_step"] = "not judged"
-        ctx.note("the fit's first optimizer step is not recomputed: the fit's model has other parameters than "
-                 "make_model()'s")
-        return
+    if any(all_gather(whole is None)):
+        return ("the fit's first optimizer step is not recomputed: the fit's model has other parameters than "
+                "make_model()'s")
+    assert whole is not None
     fit = dict(zip(whole, first.grads, strict=True))
     name, delta, scale = max_delta(fit, whole)
-    figures.update(fit_step="judged", fit_step_micro_batches=first.micro_batches,
-                   fit_step_max_rel_delta=delta / scale if scale else 0.0)
+    figures = {"fit_step": "judged", "fit_step_micro_batches": first.micro_batches,
+               "fit_step_max_rel_delta": delta / scale if scale else 0.0}
     where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
     verdict = "" if delta <= rtol * scale else fit_diagnosis(
         fit, whole, lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn]),
         ctx.world_size, first.micro_batches, rtol, where)
-    failing = [v for v in all_gather(verdict) if v]
-    if failing:
-        raise ctx.fail(failing[0], **figures)
-    if delta > rtol * scale:  # no bug's signature: clipping by norm or by value
-        ctx.note(f"the fit's first step's gradients are {clipping(fit, whole, rtol)}")
+    clipped = clipping(fit, whole, rtol) if delta > rtol * scale and not verdict else ""
+    return FirstStepCompared(verdict, clipped, first.micro_batches, figures)
 
 
 def _recomputed(single: Any, collate: Any, params: list[Any], items: list[Any]) -> dict[str, Any] | None:

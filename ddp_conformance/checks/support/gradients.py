@@ -127,6 +127,16 @@ def single_process_adapter(ctx: CheckContext, config: Any = None) -> Any:
         return None
 
 
+#: how `fit_diagnosis` begins each cause that lies in the accumulation window, not in DDP's averaging: those
+#: are accumulation_equivalence's verdicts, and gradient_equivalence only notes them
+ACCUMULATION_CAUSES = ("the loop divides each micro-batch's loss by the accumulation twice",
+                       "the loop adds up its ", "only the last micro-batch of each ")
+
+
+def is_accumulation_cause(verdict: str) -> bool:
+    return verdict.startswith(ACCUMULATION_CAUSES)
+
+
 def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
                world: int, micro: int, rtol: float, where: str) -> str:
     """Why the gradients a fit's first optimizer step applied differ from `whole`, the single-process
