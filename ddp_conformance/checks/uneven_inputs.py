@@ -60,6 +60,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     try:
         state, _ = guarded_fit(ctx, "uneven", mine, lambda observer: adapter.fit(mine, observer=observer))
     except CheckFailed as exc:
+        if "failed with" in str(exc):  # progress.stall_verdict: a rank's fit raised and the others wait for it
+            raise
         raise ctx.fail(f"given one optimizer step fewer than the others, rank {short} leaves its fit after step "
                        f"{STEPS - 1} and the other ranks never finish step {STEPS}: {JOIN_REMEDY}. {exc}",
                        **figures) from None
@@ -89,11 +91,12 @@ def _no_join(record: FitRecord, joins: list[JoinUse | None]) -> str:
     passes = record.training_passes()
     lengths = all_gather(passes[0].length if passes else None)
     if any(joins):
-        what = f"only {ranks_label([r for r, j in enumerate(joins) if j])} enter DDP's join"
+        joined = [r for r, j in enumerate(joins) if j]
+        what = f"only {ranks_label(joined)} {'enters' if len(joined) == 1 else 'enter'} DDP's join"
     elif record.joins:
         what = "the fit's join shadows no DistributedDataParallel, or is disabled"
     else:
-        what = "the fit uses no DDP join (`model.join()` or `torch.distributed.algorithms.Join`)"
+        what = "the fit uses no DDP join"
     if None in lengths:
         counts = "its loaders' lengths are unknown"
     elif len(set(lengths)) == 1:
@@ -101,8 +104,10 @@ def _no_join(record: FitRecord, joins: list[JoinUse | None]) -> str:
     else:
         counts = (f"its loaders give the ranks {', '.join(map(str, lengths))} batches an epoch, so the ranks given "
                   "more hang at the end of the first (sampler_disjointness's verdict)")
-    return (f"{what}: its ranks must be given the same number of batches, as a rank that runs out first leaves the "
-            f"others waiting in DDP's all-reduce; {counts}")
+    # the counts first: a report clips long reasons
+    return (f"{what}, so its ranks must be given equal batch counts: {counts} (a rank that runs out first leaves "
+            "the others waiting in DDP's all-reduce; `model.join()` or `torch.distributed.algorithms.Join` around "
+            "the loop lets them finish)")
 
 
 def _throws(joins: list[JoinUse | None]) -> str:
