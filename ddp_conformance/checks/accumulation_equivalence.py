@@ -38,6 +38,7 @@ from .gradient_equivalence import RTOL
 from .gradient_equivalence.fit_step import first_step_compared
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.first_steps import own_config
 from .support.gradients import is_accumulation_cause, single_process_adapter
 from .support.observe import FitRecord
 
@@ -45,7 +46,7 @@ from .support.observe import FitRecord
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     config = shared_fit.steady_config(ctx)
-    own = getattr(ctx.adapter(config), "config", None) or config  # the trainer's config after its own setup
+    own = own_config(ctx, config)
     if not ctx.takes_config:
         pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: there is no "
                     "configured accumulation to hold it to, and its first optimizer step's gradient, accumulated or "

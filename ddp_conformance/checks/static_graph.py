@@ -41,7 +41,7 @@ from ..adapter import TrainState
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .support.first_steps import final_floats, with_strategy
+from .support.first_steps import final_floats, own_config, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
 from .support.progress import guarded_fit
@@ -74,7 +74,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if ctx.world_size == 1:
         pytest.skip("world size 1: no gradient is all-reduced, so DDP's reducer has no graph to rely on")
     config = shared_fit.steady_config(ctx)
-    own = getattr(ctx.adapter(config), "config", None) or config  # the trainer's config after its own setup
+    own = own_config(ctx, config)
     configured = bool(own.trainer.strategy.static_graph)
     if not ctx.takes_config:
         pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "

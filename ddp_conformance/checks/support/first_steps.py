@@ -31,6 +31,12 @@ def with_strategy(config: RunConfig, **changes: Any) -> RunConfig:
     return replace(config, trainer=replace(config.trainer, strategy=replace(config.trainer.strategy, **changes)))
 
 
+def own_config(ctx: CheckContext, config: RunConfig) -> RunConfig:
+    """The trainer's config after its own `setup` (a trainer may set a DDP flag or its accumulation there): the
+    setting a check judges is the trainer's, not only the `--ddp-config` file's."""
+    return getattr(ctx.adapter(config), "config", None) or config
+
+
 def final_floats(state: TrainState) -> dict[str, Any]:
     """A fit's final floating-point tensors (parameters and buffers) by name, on the CPU: what two fits
     that differ by one setting are compared by (`gradients.max_delta`). In their own precision, half
