@@ -41,8 +41,8 @@ from it); the weights the resumed trainer starts its first step with (captured b
 differ from the checkpointed ones (`module.` keys in the file named when present); optimizer;
 scheduler (by its own counters, so a lost one is told from a lost optimizer). Alone: only buffers
 differ (every parameter matches: BatchNorm statistics not checkpointed), or a rank's buffers lost
-with DDP's buffer sync off. Then the RNG, where the trainer draws from torch's RNG while it trains
-(not counting a DataLoader's own seed draws as it begins a pass): the state the resumed run's first
+with DDP's buffer sync off. Then the RNG (CPU, and CUDA where it is in use), where the trainer draws from
+it while it trains (not counting a DataLoader's own seed draws as it begins a pass): the state the resumed run's first
 micro-batch began with, against the uninterrupted run's after step k: a fresh fit's (seeded on
 start); one that follows the state the process had before the resume, or one the trainer sets on
 start whatever that was (told apart by one more resume with the RNG as it was at the checkpoint);

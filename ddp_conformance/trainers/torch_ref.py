@@ -109,9 +109,15 @@ def seeded(seed: int, build: Any) -> Any:
 
     Model init must be identical on every rank and in every fresh trainer, yet must not reset the
     global RNG that dropout draws from (that would make a resume differ from an uninterrupted run).
+    On a GPU dropout draws from the CUDA generator, which `torch.manual_seed` reseeds too: so the CUDA
+    generators in use are forked as well (a model built on the GPU draws its init from them), and none
+    not yet in use is seeded (`manual_seed` would queue that seed for CUDA's first use, after the fork).
     """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        for device in devices:
+            torch.cuda.default_generators[device].manual_seed(seed)
         return build()
 
 

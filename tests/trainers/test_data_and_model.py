@@ -115,6 +115,22 @@ def test_model_init_is_seeded_and_leaves_the_global_rng_alone():
     assert not torch.equal(next(iter(other.parameters())), next(iter(a.parameters())))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False")
+def test_model_init_leaves_the_cuda_generator_that_dropout_draws_from_alone():
+    """`torch.manual_seed` reseeds the CUDA generators too: a seeded build that forked only the CPU's
+    reset a GPU run's dropout stream at every build, so a resume that lost its RNG state still matched."""
+    from ddp_conformance.trainers.torch_ref import seeded
+
+    torch.cuda.init()
+    torch.cuda.manual_seed(1234)
+    torch.rand(3, device="cuda")  # a stream that has moved on from its seed
+    before = torch.cuda.get_rng_state()
+    on_gpu = [seeded(0, lambda: torch.nn.Linear(4, 4, device="cuda")).weight for _ in range(2)]
+    assert torch.equal(before, torch.cuda.get_rng_state())
+    assert torch.equal(*on_gpu)  # a model built on the GPU is still seeded alike
+    assert torch.equal(before, torch.cuda.get_rng_state())
+
+
 def test_loss_is_the_batch_mean():
     adapter = adapter_for()
     dataset = adapter.make_dataset()

@@ -27,6 +27,9 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
 
 - every `torch.distributed.algorithms.Join` the fit builds (DDP's `join()` builds one), by wrapping its
   `__init__`: what it joins, and whether it is enabled and throws on early termination.
+- every `torch.amp.GradScaler.step` (Lightning's 16-mixed calls one too) that skips its optimizer's step
+  because the scaled gradients overflowed: the optimizer's step hooks never run then, so before the
+  first applied step it is recorded (`FirstStep.overflowed`), not mistaken for a longer window.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -50,6 +53,7 @@ from typing import Any, NamedTuple
 from unittest import mock
 
 import torch
+from torch.amp import GradScaler
 from torch.distributed.algorithms.join import Join
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -126,6 +130,9 @@ class FirstStep:
     grads: list[Any] | None = None  # float64 CPU copies of the gradients the first step applied
     micro_batches: int = 0  # micro-batches that went into them
     rng_drawn: bool = False  # torch's CPU or CUDA RNG advanced during them (dropout, random augmentation...)
+    # optimizer steps a GradScaler skipped before it (their scaled gradients held inf or NaN, as at a first
+    # step's initial scale): their micro-batches are counted in `micro_batches` but not in `grads`
+    overflowed: int = 0
     # with keep_batches: per micro-batch, the batch the newest DataLoader pass last yielded (a CPU copy;
     # None when that pass had yielded none), that pass's index in `FitRecord.passes` (None: no pass)
     # and how many batches it had yielded
@@ -174,10 +181,11 @@ class FitRecord:
     bypassed_ddp: bool = False
     ddp_modules: list[Any] = field(default_factory=list, repr=False)  # the modules DDPs built in the fit wrap
     passes: list[LoaderPass] = field(default_factory=list)
-    first_rng: str | None = None  # a digest of torch's CPU RNG state at the first micro-batch
-    # whether the trainer drew from torch's CPU RNG after its first micro-batch (dropout, augmentation, batches
-    # drawn with torch.randint), not counting a DataLoader's own draws as it begins a pass (its `_base_seed`, a
-    # RandomSampler's seed): every loader without a generator makes those, whatever the trainer does
+    first_rng: str | None = None  # a digest of torch's RNG state (CPU, and CUDA once in use) at the first micro-batch
+    # whether the trainer drew from torch's RNG (CPU, and CUDA once in use) after its first micro-batch (dropout,
+    # augmentation, batches drawn with torch.randint), not counting a DataLoader's own draws as it begins a pass
+    # (its `_base_seed`, a RandomSampler's seed): every loader without a generator makes those, whatever the
+    # trainer does
     rng_consumed: bool | None = None
     rng_trail: list[RngMark] = field(default_factory=list)  # per micro-batch, the first TRACED_RNG
     step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps (on request)
@@ -259,7 +267,6 @@ class FitRecorder:
         self._digest_steps = digest_steps
         self._watch_norms = watch_norms
         self._norms: NormWatch | None = None
-        self._first_cuda_rng: str | None = None  # the CUDA RNG's state at the first micro-batch (first_step)
         self._snapshot_at = snapshot_at
         self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
@@ -290,6 +297,7 @@ class FitRecorder:
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
         self._patch(DistributedDataParallel, "__init__", self._ddp_init)
         self._patch(Join, "__init__", self._join_init)
+        self._patch(GradScaler, "step", self._scaler_step)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -345,7 +353,6 @@ class FitRecorder:
                 self._take_start(model)
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
-                self._first_cuda_rng = _cuda_rng()
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
@@ -384,9 +391,15 @@ class FitRecorder:
         if first is None or first.grads is None:  # only the first step's batches are kept
             self._yielded = (index, count, cpu_copy(batch))
 
+    def _rng_digest(self) -> str:
+        """torch's CPU RNG state and, once CUDA is in use, the current device's CUDA RNG state: dropout on a GPU
+        draws from that one, so a trainer's draws on either are seen."""
+        cpu, cuda = input_digest(self._torch.get_rng_state()), _cuda_rng()
+        return cpu if cuda is None else f"{cpu}+{cuda}"
+
     def _mark_rng(self, first: bool) -> None:
         record = self.record
-        now = input_digest(self._torch.get_rng_state())
+        now = self._rng_digest()
         if first:
             record.first_rng, record.rng_consumed = now, False
         else:
@@ -400,7 +413,7 @@ class FitRecorder:
         """A change of the RNG state since the last mark is a draw of the trainer's (from the first micro-batch on)."""
         if self._rng_mark is None:
             return
-        now = now or input_digest(self._torch.get_rng_state())
+        now = now or self._rng_digest()
         if now != self._rng_mark:
             self.record.rng_consumed, self._rng_mark = True, now
 
@@ -408,11 +421,11 @@ class FitRecorder:
     def _loaders_own_draws(self) -> Iterator[None]:
         """What the RNG gives inside this block is the DataLoader's own (a pass's seeds), not the trainer's."""
         self._settle_rng()
-        before = input_digest(self._torch.get_rng_state())
+        before = self._rng_digest()
         try:
             yield
         finally:
-            after = input_digest(self._torch.get_rng_state())
+            after = self._rng_digest()
             self._loader_drew = self._loader_drew or after != before
             if self._rng_mark is not None:
                 self._rng_mark = after
@@ -480,8 +493,7 @@ class FitRecorder:
         record.first_step.grads = [g.detach().to("cpu", torch.float64, copy=True) if g is not None else None
                                    for g in grads]
         record.first_step.micro_batches = record.micro_batches
-        record.first_step.rng_drawn = (input_digest(self._torch.get_rng_state()) != record.first_rng
-                                       or _cuda_rng() != self._first_cuda_rng)
+        record.first_step.rng_drawn = self._rng_digest() != record.first_rng
 
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
@@ -529,6 +541,19 @@ class FitRecorder:
                                         bool(bound.arguments["throw_on_early_termination"])))
 
         return __init__
+
+    def _scaler_step(self, original: Any) -> Any:
+        record = self.record
+
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = record.optimizer_steps
+            result = original(scaler, optimizer, *args, **kwargs)
+            first = record.first_step
+            if record.optimizer_steps == before and first is not None and first.grads is None:
+                first.overflowed += 1  # the optimizer did not step: its scaled gradients held inf or NaN
+            return result
+
+        return step
 
     def _loader_iter(self, original: Any) -> Any:
         recorder = self
