@@ -38,7 +38,7 @@ from .gradient_equivalence import RTOL
 from .gradient_equivalence.fit_step import first_step_compared
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
-from .support.first_steps import own_config
+from .support.first_steps import overflow_reason, own_config
 from .support.gradients import is_accumulation_cause, single_process_adapter
 from .support.observe import FitRecord
 
@@ -57,6 +57,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if first is None or first.grads is None:
         pytest.skip("the fit applied no optimizer step with gradients, so there is no accumulation window to judge "
                     "(rank_participation judges a fit that never steps)")
+    overflowed = max(all_gather(first.overflowed))
+    if overflowed:
+        pytest.skip(f"{overflow_reason(overflowed)}: its window is not one accumulation window, so there is none to "
+                    "judge")
     windows = all_gather(first.micro_batches)
     figures: dict[str, Any] = {"configured": asked, "micro_batches_per_step": windows}
     if asked > 1 and any(window != asked for window in windows):

@@ -32,6 +32,7 @@ import torch
 from ...adapter import NotProvided
 from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
 from ..support.observe import FitRecord, trains_batchnorm
 from ..support.one_world import world_of_one
@@ -107,6 +108,8 @@ def _unjudgeable(record: FitRecord) -> str:
     first = record.first_step
     if first is None or first.grads is None:
         return "no optimizer step of the fit was seen"
+    if first.overflowed:
+        return overflow_reason(first.overflowed)
     if first.rng_drawn:
         return "the fit drew random numbers during it (dropout, random augmentation), which one process cannot redraw"
     if trains_batchnorm(record.model):

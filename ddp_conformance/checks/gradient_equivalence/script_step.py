@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader
 
 from ...adapter import NotProvided
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, max_delta
 from ..support.observe import (
     FitRecord,
@@ -126,6 +127,8 @@ def _first_step_problem(record: FitRecord) -> str:
     first = record.first_step
     if first is None or first.grads is None:
         return "no optimizer step of its fit was seen"
+    if first.overflowed:
+        return overflow_reason(first.overflowed)
     if not first.batches or any(b is None for b in first.batches):
         return ("it reads its batches from no DataLoader (a get_batch of its own, drawing with torch.randint?), so "
                 "there are no batches to give the rerun")

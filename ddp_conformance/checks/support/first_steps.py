@@ -46,6 +46,14 @@ def final_floats(state: TrainState) -> dict[str, Any]:
             for name, t in state.params.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 
+def overflow_reason(skipped: int) -> str:
+    """Why a first applied step that followed GradScaler-skipped steps is not compared: their micro-batches
+    ran, their gradients were thrown away."""
+    return (f"a GradScaler skipped the fit's first {skipped} optimizer step(s) (their scaled gradients overflowed, as "
+            "at its initial scale), so the first step it applied does not hold the gradient of the micro-batches "
+            "before it")
+
+
 def first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[str, Any], FitRecord]:
     """The gradients the fit's first optimizer step applied, by parameter name (float64, CPU), and the
     fit's record (as `ctx.recordings[label]`); skips when it applied none."""
@@ -55,5 +63,7 @@ def first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[
     if first is None or first.grads is None or record.model is None:
         pytest.skip(f"the {label} fit's one iteration applied no optimizer step with gradients (a GradScaler skips "
                     "the step whose scaled gradients overflow), so there is no step to compare")
+    if first.overflowed:
+        pytest.skip(f"the {label} fit: {overflow_reason(first.overflowed)}; there is no first step to compare")
     names = [name for name, _ in unwrapped(record.model).named_parameters()]
     return dict(zip(names, first.grads, strict=False)), record

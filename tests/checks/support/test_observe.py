@@ -227,9 +227,10 @@ def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
     from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
     from ddp_conformance.checks.support.observe import FirstStep, FitRecord, LoaderPass
 
-    def record(model=None, rng_drawn=False, grads=True, indexed=True):
+    def record(model=None, rng_drawn=False, grads=True, indexed=True, overflowed=0):
         model = model or torch.nn.Linear(2, 2)
-        step = FirstStep([p.detach() for p in model.parameters()], [torch.zeros(1)] if grads else None, 1, rng_drawn)
+        step = FirstStep([p.detach() for p in model.parameters()], [torch.zeros(1)] if grads else None, 1, rng_drawn,
+                         overflowed)
         loader = LoaderPass(length=4, dataset_size=8, sampler="DistributedSampler", shuffle=True, batches=[[0, 1]],
                             indexed=indexed, trained=True)
         return FitRecord(model=model, first_step=step, passes=[loader])
@@ -238,6 +239,7 @@ def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
     assert "no optimizer step" in _unjudgeable(FitRecord())
     assert "no optimizer step" in _unjudgeable(record(grads=False))
     assert "drew random numbers during it (dropout" in _unjudgeable(record(rng_drawn=True))
+    assert "a GradScaler skipped the fit's first 2 optimizer step(s)" in _unjudgeable(record(overflowed=2))
     batchnorm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     assert "BatchNorm in training mode" in _unjudgeable(record(model=batchnorm))
     assert _unjudgeable(record(model=batchnorm.eval())) == ""
@@ -496,3 +498,32 @@ def test_recorder_sees_ddp_join_and_how_it_is_entered(ddp):
     assert recorder.record.joins == [JoinUse(("DistributedDataParallel",), True, True),
                                      JoinUse(("DistributedDataParallel",), False, False)]
     assert Join.__init__.__qualname__ == "Join.__init__"  # put back after the fit
+
+
+def test_steps_a_grad_scaler_skips_are_counted_before_the_first_applied_one_not_taken_for_its_window():
+    """A GradScaler whose scaled gradients overflow skips `optimizer.step()`, so no step hook runs: the first
+    applied step comes micro-batches later, and those before it are not in its gradients."""
+    import torch
+    from torch import nn
+
+    from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
+    from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
+    from ddp_conformance.checks.support.observe import FitRecorder
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    inputs = [torch.full((2, 3), float("inf")), torch.randn(2, 3), torch.randn(2, 3)]  # a first batch that overflows
+    with FitRecorder(first_step=True) as recorder:
+        for x in inputs:
+            scaler.scale(model(x).square().mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    record = recorder.record
+    assert (record.first_step.overflowed, record.first_step.micro_batches, record.optimizer_steps) == (1, 2, 2)
+    assert all(torch.isfinite(g).all() for g in record.first_step.grads)
+    assert torch.amp.GradScaler.step.__qualname__ == "GradScaler.step"  # put back after the fit
+    skipped = "a GradScaler skipped the fit's first 1 optimizer step(s)"  # neither rerun takes 2 micro-batches for it
+    assert skipped in _unjudgeable(record) and skipped in _first_step_problem(record)
