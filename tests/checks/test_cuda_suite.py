@@ -129,3 +129,44 @@ def test_mixed_precision_passes_the_references_and_controls_and_names_the_mutant
             assert row["outcome"] == "passed" and row["figures"]["precision"] == precision, (name, spec, row,
                                                                                                result.stdout.str())
             assert row["figures"]["max_rel_delta"] > 0, row["figures"]
+
+
+#: judged above, per precision and with the fixtures' CUDA declarations (`BREAKS_ON_CUDA`)
+JUDGED_ABOVE = {"sync_batchnorm", "mixed_precision"}
+
+
+def test_every_other_check_judges_the_references_and_fixtures_on_the_gpu_as_on_the_cpu(
+    tmp_path: Path
+) -> None:
+    """test_suite.py's default matrix (the references on every check, each fixture on the checks it declares or
+    concerns), every rank on the GPU: each check that runs on the CPU too must give the same verdicts there,
+    from the same declarations. All disagreements are collected, so one GPU run shows them all."""
+    from ddp_conformance.checks import CHECK_IDS
+    from tests.checks.test_suite import (
+        MUTANTS,
+        REFERENCES,
+        assert_as_declared,
+        not_applicable,
+        planned,
+        run_grouped,
+        spec_of,
+    )
+
+    checks = [check for check in CHECK_IDS if check not in JUDGED_ABOVE]
+    pairs: list[tuple[str | Path, str]] = [(spec, check) for spec in REFERENCES for check in checks]
+    pairs += [(path, check) for path in MUTANTS for check in planned(path) if check in checks]
+    session = run_grouped(tmp_path, pairs, "--ddp-device", "cuda")
+    counters = {session["results"][spec]["bucket_view_memory"]["figures"].get("memory_counter") for spec in REFERENCES}
+    assert counters == {"torch.cuda.max_memory_allocated"}, counters  # the ranks trained on the GPU
+    disagreements = {}
+    for spec in REFERENCES:
+        results = session["results"][spec]
+        failed = {c: r["message"] for c, r in results.items() if r["outcome"] != "passed" and not not_applicable(c, r)}
+        if failed:
+            disagreements[spec] = failed
+    for path in MUTANTS:
+        try:
+            assert_as_declared(path, session["results"].get(spec_of(path), {}), on_gpu=True)
+        except AssertionError as error:
+            disagreements[path.stem] = str(error)
+    assert not disagreements, json.dumps(disagreements, indent=1)

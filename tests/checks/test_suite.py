@@ -89,6 +89,16 @@ def planned(path: Path) -> list[str]:
     return [check for check in CHECK_IDS if check in named]
 
 
+def picks_a_gpu(path: Path) -> bool:
+    """Whether a fixture that picks its own device (`PICKS_ITS_OWN_DEVICE`: a script that trains on a GPU
+    whenever one is present, as real scripts do) trains on one here, whatever this session's `--ddp-device`."""
+    if not declared(path, "PICKS_ITS_OWN_DEVICE", False):
+        return False
+    import torch  # this process has no other use for it
+
+    return torch.cuda.is_available()
+
+
 def spec_of(path: Path) -> str:
     """The fixture's SPEC: its `Trainer` class, or the form it declares (`SPEC = "lightning:{path}:Module"`,
     a LightningModule with no adapter, in the shape the bug was found in)."""
@@ -102,28 +112,29 @@ def config_of(path: Path) -> Path:
     return ROOT / "fixtures" / "configs" / f"{name}.yaml" if name else CONFIG
 
 
-def run_grouped(workdir: Path, pairs: list[tuple[str | Path, str]]) -> dict[str, Any]:
+def run_grouped(workdir: Path, pairs: list[tuple[str | Path, str]], *options: str) -> dict[str, Any]:
     """(subject, check) pairs, a subject a reference's SPEC or a fixture's file, in one nested session per
-    config; the suite config's session (the references') gives the result its report and output."""
+    config, each given `options` too; the suite config's session (the references') gives the result its report
+    and output."""
     groups: dict[Path, list[tuple[str, str]]] = {}
     for subject, check in pairs:
         fixture = isinstance(subject, Path)
         groups.setdefault(config_of(subject) if fixture else CONFIG, []).append(
             (spec_of(subject) if fixture else subject, check))
-    main = run_nested(workdir / "suite", groups.pop(CONFIG))
+    main = run_nested(workdir / "suite", groups.pop(CONFIG), CONFIG, *options)
     for config, group in sorted(groups.items()):
-        main["results"].update(run_nested(workdir / config.stem, group, config)["results"])
+        main["results"].update(run_nested(workdir / config.stem, group, config, *options)["results"])
     return main
 
 
-def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFIG) -> dict[str, Any]:
+def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFIG, *options: str) -> dict[str, Any]:
     """One nested session of these (SPEC, check) pairs (tests/checks/nested_selection.py deselects the rest)."""
     workdir.mkdir(parents=True, exist_ok=True)
     report, junit, selected = workdir / "report.json", workdir / "junit.xml", workdir / "pairs.json"
     selected.write_text(json.dumps(pairs))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "-p", "tests.checks.nested_selection", "--ddp-world-size", "2", "--ddp-timeout", "20",
-               "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}"]
+               "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}", *options]
     for spec in dict.fromkeys(spec for spec, _ in pairs):
         command += ["--ddp-trainer", spec]
     env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),
@@ -171,15 +182,21 @@ def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug
     assert set(declared(path, "ASKED_BY_DEFAULT", set())) <= set(breaks) | set(skips)
     results = session["results"][spec_of(path)]
     assert list(results) == planned(path)
-    assert_as_declared(path, results)  # a control passes every other check; a mutant's others are the slow test's
+    # a control passes every other check; a mutant's others are the slow test's
+    assert_as_declared(path, results, picks_a_gpu(path))
 
 
-def assert_as_declared(path: Path, results: dict[str, dict[str, Any]]) -> None:
+def assert_as_declared(path: Path, results: dict[str, dict[str, Any]], on_gpu: bool = False) -> None:
     """The checks asked of a fixture fail exactly where it declares (`BREAKS`, with the `DIAGNOSIS` words), skip
     exactly where it declares (`SKIPS`, with their words) or where the check does not apply here, and pass
-    otherwise."""
-    breaks, diagnosis = declared(path, "BREAKS"), declared(path, "DIAGNOSIS", {})
+    otherwise. `on_gpu`: the fixture trained on a GPU, where the checks only a GPU exercises fail as it declares
+    for one (`BREAKS_ON_CUDA`, `DIAGNOSIS_ON_CUDA`) instead of skipping."""
+    breaks, diagnosis = set(declared(path, "BREAKS")), dict(declared(path, "DIAGNOSIS", {}))
     skips: dict[str, str | tuple[str, ...]] = declared(path, "SKIPS", {})
+    if on_gpu:
+        breaks |= declared(path, "BREAKS_ON_CUDA", set())
+        diagnosis.update(declared(path, "DIAGNOSIS_ON_CUDA", {}))
+        skips = {check: words for check, words in skips.items() if check not in breaks}
     outcomes = {check: r["outcome"] for check, r in results.items()}
     assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks) & set(results), outcomes
     skipped = {c for c, r in results.items() if r["outcome"] == "skipped" and (c in skips or not not_applicable(c, r))}
@@ -209,7 +226,7 @@ def test_mutant_passes_every_check_whose_bug_it_is_not(rest_of_the_matrix: dict[
     check alike declares beyond `ASKED_BY_DEFAULT`."""
     results = rest_of_the_matrix["results"][spec_of(path)]
     assert list(results) == [check for check in CHECK_IDS if check not in planned(path)]
-    assert_as_declared(path, results)
+    assert_as_declared(path, results, picks_a_gpu(path))
 
 
 def test_a_trainer_that_leaves_the_flag_off_is_skipped_with_the_measured_saving(session: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     views = all_gather(record.grads_were_views)
     grad_bytes = max(all_gather(0 if record.model is None else gradient_bytes(record.model)))
+    device_type = _where_it_trains(ctx, record.model)
     del record  # its model and data are not held through the measured runs
     ctx.figures.update(fit_ddp_gradient_as_bucket_view_per_rank=flags, grad_bytes=grad_bytes)
     if None in flags:
@@ -68,7 +69,7 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
         pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
     if all(flags):
         fit_keeps_the_views(ctx, flags, views)  # the layout first: a copy made before the step fails here
-    saving, unmeasured = _saving(ctx, grad_bytes)
+    saving, unmeasured = _saving(ctx, grad_bytes, device_type)
     off = [rank for rank, flag in enumerate(flags) if not flag]
     if off:
         builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
@@ -101,10 +102,20 @@ def _fit(ctx: CheckContext) -> Callable[[Any], Any]:
     return lambda observer: ctx.adapter().fit(STEPS, observer=observer)
 
 
-def _saving(ctx: CheckContext, grad_bytes: int) -> tuple[str | None, str]:
+def _where_it_trains(ctx: CheckContext, model: Any) -> str:
+    """The device type of the fit's model: a script chooses its own (one that trains on the CPU under
+    `--ddp-device cuda` holds its gradients in the heap, which the CUDA counter never sees)."""
+    own = next((p.device.type for p in model.parameters()), None) if model is not None else None
+    if own is not None and own != ctx.rank_ctx.device_type:
+        ctx.note(f"the fit's model trains on {own}, not on the harness's {ctx.rank_ctx.device_type}: its memory is "
+                 f"measured on {own}")
+    return own or ctx.rank_ctx.device_type
+
+
+def _saving(ctx: CheckContext, grad_bytes: int, device_type: str) -> tuple[str | None, str]:
     """Measure the saving (collective): (the clause that states it, None when it was not measured;
     the clause that says why not)."""
-    read = _counter(ctx.rank_ctx.device_type)
+    read = _counter(device_type)
     if read is None:
         return None, ("; the saving was not measured: no heap counter on this platform (glibc's mallinfo2, glibc "
                       ">= 2.33, measures CPU memory)")
@@ -125,7 +136,7 @@ def _saving(ctx: CheckContext, grad_bytes: int) -> tuple[str | None, str]:
     everyone = all_gather(mine)
     worst = min(everyone, key=lambda m: m["saving"])
     ctx.figures.update(
-        memory_counter="torch.cuda.memory_allocated" if ctx.rank_ctx.device_type == "cuda" else "glibc mallinfo2",
+        memory_counter="torch.cuda.memory_allocated" if device_type == "cuda" else "glibc mallinfo2",
         measured_at=f"the pre-hook of optimizer step {STEPS} of the fit, its DDP's flag forced",
         saved_bytes=worst["saving"], saved_pct_of_grad_bytes=round(100 * worst["saving"] / grad_bytes, 1),
         held_bytes_flag_on=worst["on"], held_bytes_flag_off=worst["off"],
