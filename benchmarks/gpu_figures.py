@@ -1,13 +1,14 @@
 """The figures a GPU runner measures: gradient and resume deltas per precision, and the saving of
 `gradient_as_bucket_view` on a model of a few hundred MB, from `torch.cuda.max_memory_allocated`.
 
-    python benchmarks/gpu_figures.py [--reports DIR] [--big-model-mb 256] [--world-size 1 ...]
+    python benchmarks/gpu_figures.py [--reports DIR ...] [--big-model-mb 256] [--world-size 1 ...]
 
-It reads every conformance JSON report under DIR (default: none), for instance those
+It reads every conformance JSON report (`report.json`) under each DIR (default: none), for instance those
 `tests/checks/test_cuda_suite.py` leaves under `pytest --basetemp=DIR`, and prints one row per
 (world size, backend, precision, trainer): gradient_equivalence's max relative delta against its
 tolerance, resume_fidelity's result (bitwise, or its largest parameter delta), and the seconds each
-check took (`check_seconds`, rank 0: a warm check's time). Then it runs bucket_view_memory once per
+check took (`check_seconds`, rank 0: a warm check's time); then a row per trainer for each check of
+`CHECKS_MEASURED`, whose CPU-measured tolerances a GPU run confirms or moves. Then it runs bucket_view_memory once per
 `--world-size` (default 1; `--ddp-device cuda`) on both references with an MLP of about
 `--big-model-mb` MB of parameters and prints the measured saving. The GPU is named in the first line.
 
@@ -41,15 +42,21 @@ def gpu_name() -> str:
     return f"{torch.cuda.get_device_name()} ({total / 2**30:.0f} GiB), torch {torch.__version__}"
 
 
-def reports(folder: Path | None) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(folder.rglob("report.json"))] if folder else []
+REFERENCES = ("lightning", "torch")  # a fixture's verdicts are test_cuda_suite.py's to judge, not figures
+#: checks whose tolerance or verdicts rest on CPU measurements until a GPU run gives their figures here
+CHECKS_MEASURED = ("bucket_cap_mb_invariance", "static_graph", "initial_sync", "accumulation_equivalence",
+                   "uneven_inputs")
+
+
+def reports(folders: list[Path]) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for folder in folders for p in sorted(folder.rglob("report.json"))]
 
 
 def precision_rows(docs: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for doc in docs:
         by = {(r["trainer"], r["check"]): r for r in doc["results"]}
-        for trainer in sorted({t for t, _ in by}):
+        for trainer in sorted({t for t, _ in by} & set(REFERENCES)):
             grad, resume = by.get((trainer, "gradient_equivalence")), by.get((trainer, "resume_fidelity"))
             if grad is None or resume is None:
                 continue
@@ -58,6 +65,25 @@ def precision_rows(docs: list[dict[str, Any]]) -> list[list[str]]:
             rows.append([str(doc["world_size"]), doc["backend"], str(g.get("precision", "?")), trainer,
                          f"{g.get('max_rel_delta', math.nan):.1e}", f"{g.get('rtol', math.nan):.0e}",
                          grad["outcome"], str(resume["figures"].get("summary", resume["outcome"])), seconds])
+    return sorted(rows)
+
+
+def check_rows(docs: list[dict[str, Any]]) -> list[list[str]]:
+    """A row per (report, trainer, check) of `CHECKS_MEASURED`: its outcome, its largest relative delta where it
+    measures one, and its summary or the head of its message."""
+    rows = []
+    for doc in docs:
+        precision = {r["trainer"]: r["figures"].get("precision", "?") for r in doc["results"]
+                     if r["check"] == "gradient_equivalence"}
+        for r in doc["results"]:
+            if r["check"] not in CHECKS_MEASURED or r["trainer"] not in REFERENCES:
+                continue
+            f = r["figures"]
+            measured = f.get("max_rel_delta", f.get("fit_step_max_rel_delta"))
+            delta = f"{measured:.1e}" if isinstance(measured, float) else "-"
+            said = str(f.get("summary") or r["message"])[:90]
+            rows.append([str(doc["world_size"]), doc["backend"], str(precision.get(r["trainer"], "?")), r["trainer"],
+                         r["check"], r["outcome"], delta, said])
     return sorted(rows)
 
 
@@ -100,20 +126,24 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reports", type=Path, default=None)
+    parser.add_argument("--reports", type=Path, action="append", default=[])
     parser.add_argument("--big-model-mb", type=int, default=256)
     parser.add_argument("--world-size", type=int, action="append", dest="world_sizes")
     args = parser.parse_args()
     print(f"GPU: {gpu_name()}; {os.cpu_count()} CPUs")
-    precision = precision_rows(reports(args.reports))
+    docs = reports(args.reports)
+    precision = precision_rows(docs)
     if precision:
         print(table(["ws", "backend", "precision", "trainer", "grad max rel delta", "rtol", "grad", "resume",
                      "check s grad/resume"], precision))
+    if checks := check_rows(docs):
+        print(table(["ws", "backend", "precision", "trainer", "check", "outcome", "max rel delta", "summary"],
+                    checks))
     with tempfile.TemporaryDirectory(prefix="gpu-figures-") as folder:
         bucket = bucket_rows(Path(folder), args.big_model_mb, args.world_sizes or [1])
     if bucket:
         print(table(["ws", "backend", "trainer", "counter", "grads", "bucket_view_memory", "check time"], bucket))
-    return 0 if bucket and (precision or args.reports is None) else 1
+    return 0 if bucket and (precision or not args.reports) else 1
 
 
 if __name__ == "__main__":
