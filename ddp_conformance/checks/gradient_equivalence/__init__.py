@@ -13,7 +13,7 @@ legitimately differ between a shard and the whole batch, and are not what DDP sy
 
 Tolerances, per parameter: max |ddp - single| <= rtol * max |single|, rtol by precision, from
 docs/ddp-facts.md and our own runs (benchmarks and report figures): fp32 observed ~1e-7
-relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-3.
+relative, bound 1e-5; bf16 autocast observed ~2e-3 relative L2, bound 2e-2; fp16 bound 5e-2.
 Gradients that are all exactly zero on both sides prove nothing ("0 equals 0"): the check skips,
 naming rank_participation, whose verdict a fit that never trains is (`vacuity.py`).
 A failure names the parameter, its max |delta| and the tolerance, and a cause when the evidence
@@ -48,10 +48,12 @@ from .script_step import judge_script_step
 
 # only measured (precision, device) pairs, bounds ~5-50x the largest delta seen (docs/checks.md): CPU fp32
 # 1.1e-7, bf16-mixed 3.8e-3 (16-mixed on CPU runs as bf16-mixed: Lightning and reconcile() say so); CUDA
-# (an H200, world size 2 on one GPU) fp32 1.8e-7, bf16-mixed 3.8e-3, 16-mixed 7.0e-4.
+# (an H200, world size 2 on one GPU) fp32 1.8e-7, bf16-mixed 3.8e-3, 16-mixed 7.0e-4; Lightning's demo
+# transformer (an H200, world size 2) fp32 3.1e-6, 16-mixed 1.7e-2 (an attention bias: 5e-3 failed it), and on
+# CPU at bf16-mixed 5.0e-3 (world size 2) and 7.9e-3 (3). A bug's ratio is whole: 1/W, W, k.
 RTOL = {
     "cpu": {"32-true": 1e-5, "bf16-mixed": 2e-2},
-    "cuda": {"32-true": 1e-5, "bf16-mixed": 2e-2, "16-mixed": 5e-3},
+    "cuda": {"32-true": 1e-5, "bf16-mixed": 2e-2, "16-mixed": 5e-2},
 }
 EXTRA_STEPS = 3
 SGD_LR = 0.05

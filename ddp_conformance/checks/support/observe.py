@@ -28,8 +28,9 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
 - every `torch.distributed.algorithms.Join` the fit builds (DDP's `join()` builds one), by wrapping its
   `__init__`: what it joins, and whether it is enabled and throws on early termination.
 - every `torch.amp.GradScaler.step` (Lightning's 16-mixed calls one too) that skips its optimizer's step
-  because the scaled gradients overflowed: the optimizer's step hooks never run then, so before the
-  first applied step it is recorded (`FirstStep.overflowed`), not mistaken for a longer window.
+  because the scaled gradients overflowed: the optimizer's step hooks never run then, yet the trainer's
+  loop counts the step, so it is counted as a step with unchanged parameters, and before the first
+  applied step it is recorded (`FirstStep.overflowed`), not mistaken for a longer window.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -170,7 +171,7 @@ class FitRecord:
     model_type: str = ""  # the class of the model the micro-batches ran through
     micro_batches: int = 0
     synced: list[bool] = field(default_factory=list)  # per micro-batch of a DDP model
-    optimizer_steps: int = 0
+    optimizer_steps: int = 0  # as the trainer counts them: a step a GradScaler skipped counts too
     grad_steps: int = 0  # optimizer steps that found gradients on their parameters
     nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
     # whether this rank's own backward (before DDP averages it with the other ranks') ever gave a
@@ -268,6 +269,7 @@ class FitRecorder:
         self._watch_norms = watch_norms
         self._norms: NormWatch | None = None
         self._snapshot_at = snapshot_at
+        self._skipped = 0  # optimizer steps a GradScaler skipped, counted in `optimizer_steps` as the trainer counts
         self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
         self._all_inputs = all_inputs
@@ -458,18 +460,22 @@ class FitRecorder:
             opened, self._open = self._open, None
             self.listener.after_step(opened)
 
-    def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+    def _register(self, optimizer: Any) -> None:
         if not any(seen is optimizer for seen in self.record.optimizers):  # its first step: nothing applied yet
             self.record.optimizers.append(optimizer)
             outside = self.record.stepped_outside_model() if self.record.model is not None else {}
             for name, tensor in outside.items():
                 self.record.outside_start.setdefault(name, input_digest(tensor))
+
+    def _on_optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        self._register(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             self.record.grad_steps += 1
             self.record.nonzero_grad_steps += any(nonzero(g) for g in grads)
         first = self.record.first_step
-        if not self._capture_first_step or self.record.optimizer_steps or (first is not None and first.grads):
+        applied = self.record.optimizer_steps - self._skipped
+        if not self._capture_first_step or applied or (first is not None and first.grads):
             return None  # (Lightning's first step runs its first micro-batch inside the closure: no `first` yet)
         closure = kwargs.get("closure", args[0] if args else None)
         if not callable(closure):
@@ -548,9 +554,15 @@ class FitRecorder:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             before = record.optimizer_steps
             result = original(scaler, optimizer, *args, **kwargs)
-            first = record.first_step
-            if record.optimizer_steps == before and first is not None and first.grads is None:
-                first.overflowed += 1  # the optimizer did not step: its scaled gradients held inf or NaN
+            if record.optimizer_steps == before:  # the optimizer did not step: its scaled gradients held inf or NaN
+                first = record.first_step
+                if first is not None and first.grads is None:
+                    first.overflowed += 1
+                # the trainer's loop counts it as a step (Lightning's global_step, a loop's counter), so steps,
+                # digests and the snapshot at step k stay where the trainer's fit(k) and checkpoint put them
+                self._skipped += 1
+                self._register(optimizer)
+                self._on_optimizer_step(optimizer, (), {})
             return result
 
         return step

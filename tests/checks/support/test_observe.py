@@ -500,9 +500,12 @@ def test_recorder_sees_ddp_join_and_how_it_is_entered(ddp):
     assert Join.__init__.__qualname__ == "Join.__init__"  # put back after the fit
 
 
-def test_steps_a_grad_scaler_skips_are_counted_before_the_first_applied_one_not_taken_for_its_window():
+def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_taken_for_a_window():
     """A GradScaler whose scaled gradients overflow skips `optimizer.step()`, so no step hook runs: the first
-    applied step comes micro-batches later, and those before it are not in its gradients."""
+    applied step comes micro-batches later, and those before it are not in its gradients. The trainer's loop
+    still counts the skipped step (Lightning's global_step does), so step k's snapshot is the trainer's step k:
+    counted otherwise, a checkpoint at k was compared with the state one applied step later ("the model
+    weights are not restored" for Lightning's demo at 16-mixed on an H200)."""
     import torch
     from torch import nn
 
@@ -515,14 +518,18 @@ def test_steps_a_grad_scaler_skips_are_counted_before_the_first_applied_one_not_
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     inputs = [torch.full((2, 3), float("inf")), torch.randn(2, 3), torch.randn(2, 3)]  # a first batch that overflows
-    with FitRecorder(first_step=True) as recorder:
+    after = []
+    with FitRecorder(first_step=True, snapshot_at=2, digest_steps=True) as recorder:
         for x in inputs:
             scaler.scale(model(x).square().mean()).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+            after.append(model.weight.detach().clone())
     record = recorder.record
-    assert (record.first_step.overflowed, record.first_step.micro_batches, record.optimizer_steps) == (1, 2, 2)
+    assert (record.first_step.overflowed, record.first_step.micro_batches, record.optimizer_steps) == (1, 2, 3)
+    assert torch.equal(record.snapshot.state["weight"], after[1]) and not torch.equal(after[0], after[1])
+    assert len(record.step_digests) == 3 and record.step_digests[0] != record.step_digests[1]
     assert all(torch.isfinite(g).all() for g in record.first_step.grads)
     assert torch.amp.GradScaler.step.__qualname__ == "GradScaler.step"  # put back after the fit
     skipped = "a GradScaler skipped the fit's first 1 optimizer step(s)"  # neither rerun takes 2 micro-batches for it
