@@ -34,6 +34,7 @@ from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
+from ..support.model_state import item_digest
 from ..support.observe import FitRecord, trains_batchnorm
 from ..support.one_world import world_of_one
 
@@ -87,11 +88,26 @@ def first_step_compared(ctx: CheckContext, single: Any, rtol: float) -> FirstSte
         return f"the fit's first optimizer step is not recomputed: {problems[0]}"
     first = record.first_step
     assert first is not None and first.grads is not None
-    drawn = all_gather(_as_in(adapter.make_dataset(), record.training_passes()[0])[:first.micro_batches])
+    dataset = adapter.make_dataset()
+    sampled = _as_in(dataset, record.training_passes()[0])
+    drawn = all_gather(sampled[:first.micro_batches])
     if len({len(batch) for batches in drawn for batch in batches}) > 1:
         return ("the fit's first optimizer step is not recomputed: its micro-batches differ in size, so their mean "
                 "is not the mean over their samples")
-    return _compare(ctx, adapter, single, record, drawn, rtol)
+    if any(all_gather(_fed_other_items(adapter, dataset, first, sampled))):
+        return ("the fit's first optimizer step is not recomputed: make_dataset() does not hold the items the fit's "
+                "loader yielded at the indices it drew (data built anew per call, as random tensors drawn without "
+                "a seed; see data_consistency)")
+    return _compare(ctx, adapter, single, record, drawn, rtol, dataset)
+
+
+def _fed_other_items(adapter: Any, dataset: Any, first: Any, sampled: list[list[int]]) -> bool:
+    """Whether a batch the fit's loader yielded for the first step (`FirstStep.batches`, the n-th of its
+    pass: a loop that fetches ahead, as Lightning's, keeps the next one) is not `dataset`'s items at the
+    indices the n-th batch drew, collated: then a recompute from `dataset` computes another step."""
+    return any(item_digest(adapter.collate([dataset[i] for i in sampled[count - 1]])) != item_digest(kept)
+               for kept, (_, count) in zip(first.batches, first.sources, strict=False)
+               if kept is not None and 0 < count <= len(sampled))
 
 
 def _as_in(dataset: Any, first: Any) -> list[list[int]]:
@@ -121,15 +137,24 @@ def _unjudgeable(record: FitRecord) -> str:
 
 
 def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, drawn: list[list[list[int]]],
-             rtol: float) -> FirstStepCompared | str:
+             rtol: float, dataset: Any) -> FirstStepCompared | str:
     first = record.first_step
     assert first is not None and first.grads is not None
-    dataset = adapter.make_dataset()
+
+    def items_of(batches: list[list[list[int]]]) -> list[Any]:
+        return [dataset[i] for rank in batches for batch in rank for i in batch]
 
     def gradient(batches: list[list[list[int]]]) -> dict[str, Any] | None:
-        items = [dataset[i] for rank in batches for batch in rank for i in batch]
-        return _recomputed(single, adapter.collate, first.params, items)
+        return _recomputed(single, adapter.collate, first.params, items_of(batches))
 
+    # every rank recomputes from its own make_dataset(): one that builds other data per rank or per call (random
+    # tensors drawn without a seed, as Lightning's BoringModel's RandomDataset) gives each rank another "whole"
+    held = all_gather(item_digest(items_of(drawn)))
+    if len(set(held)) > 1:
+        rank = next(r for r, d in enumerate(held) if d != held[0])
+        return ("the fit's first optimizer step is not recomputed: the ranks' datasets differ (rank "
+                f"{rank}'s make_dataset() holds other items than rank 0's at the indices the fit drew; see "
+                "data_consistency)")
     whole = gradient(drawn)
     if any(all_gather(whole is None)):
         return ("the fit's first optimizer step is not recomputed: the fit's model has other parameters than "

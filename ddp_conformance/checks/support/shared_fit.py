@@ -146,7 +146,8 @@ def steady(ctx: CheckContext) -> Steady:
 
     def run() -> Steady:
         state, _ = guarded_fit(ctx, "steady", STEADY_STEPS,
-                               lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs), first_step=True)
+                               lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs), first_step=True,
+                               keep_batches=True)  # what its loader yielded: is make_dataset() what it read?
         assert isinstance(state, TrainState)
         return Steady(ctx.recordings["steady"], state, ctx.check_id)
 

@@ -534,3 +534,29 @@ def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_ta
     assert torch.amp.GradScaler.step.__qualname__ == "GradScaler.step"  # put back after the fit
     skipped = "a GradScaler skipped the fit's first 1 optimizer step(s)"  # neither rerun takes 2 micro-batches for it
     assert skipped in _unjudgeable(record) and skipped in _first_step_problem(record)
+
+
+def test_a_recompute_is_refused_when_make_dataset_is_not_what_the_fit_s_loader_yielded():
+    """Lightning's BoringModel builds its RandomDataset anew in train_dataloader(): make_dataset() then holds
+    other random tensors than the fit read, and a recompute from it computes another step. The kept batches are
+    matched by how many the pass had yielded, so a loop that fetches one ahead (Lightning's) still matches."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from ddp_conformance.checks.gradient_equivalence.fit_step import _fed_other_items
+    from ddp_conformance.checks.support.observe import FirstStep
+
+    data = [torch.full((2,), float(i)) for i in range(8)]
+    sampled = [[3, 1], [0, 2], [5, 4]]
+    adapter = type("Adapter", (), {"collate": staticmethod(default_collate)})()
+
+    def first(*counts):
+        step = FirstStep([], [torch.zeros(1)], len(counts))
+        step.batches = [default_collate([data[i] for i in sampled[c - 1]]) for c in counts]
+        step.sources = [(0, c) for c in counts]
+        return step
+
+    assert not _fed_other_items(adapter, data, first(1, 2), sampled)
+    assert not _fed_other_items(adapter, data, first(2, 3), sampled)  # fetched one ahead, as Lightning does
+    redrawn = [torch.randn(2) for _ in data]  # the same indices, data built again
+    assert _fed_other_items(adapter, redrawn, first(1, 2), sampled)
