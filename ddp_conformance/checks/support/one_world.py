@@ -13,8 +13,9 @@ the trainer's `dist.all_reduce`, Lightning's strategies' `reduce` / `all_gather`
 `barrier`, `LightningModule.all_gather` through them, `torch.distributed.nn.functional`'s autograd
 collectives, and the names a trainer's module imported, `from torch.distributed import all_reduce`)
 are stand-ins with one participant. Callers that must reach the real group keep it: DDP
-(`torch.nn.parallel`, whose reducer talks to the process group directly anyway) and the harness's
-own checks and runner. torch's private modules (`distributed_c10d`) keep the originals.
+(`torch.nn.parallel`, whose reducer talks to the process group directly anyway), DDP's join
+(`torch.distributed.algorithms`, whose collectives run on DDP's own group) and the harness's own
+checks and runner. torch's private modules (`distributed_c10d`) keep the originals.
 `self.log(..., sync_dist=True)` reduces through the strategy's `reduce`, so it is covered too (and
 outside a fit the adapter keeps `self.log` silent). Not covered: functional collectives
 (`torch.distributed._functional_collectives`, DTensor), which return new tensors from C++ ops.
@@ -35,8 +36,11 @@ import torch.distributed as dist
 # packages whose own bindings of torch.distributed names stay real: torch's DDP and collectives, Lightning
 # (it calls them as attributes, `torch.distributed.all_reduce`, which are patched) and the harness itself
 _LIBRARIES = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ddp_conformance"})
-# callers whose collectives must reach the real group even inside the world of one
-_REAL_CALLERS = ("torch.nn.parallel", "ddp_conformance.checks", "ddp_conformance.runner")
+# callers whose collectives must reach the real group even inside the world of one: DDP, and DDP's join
+# (`Join.notify_join_context` all-reduces on the joinables' group, DDP's, whose reducer wants a real work handle
+# from it: in a rerun that group is the rank's own group of one), and the harness
+_REAL_CALLERS = ("torch.nn.parallel", "torch.distributed.algorithms", "ddp_conformance.checks",
+                 "ddp_conformance.runner")
 
 
 class _Done:

@@ -68,3 +68,22 @@ def test_a_collective_imported_by_name_is_the_world_of_ones_too(monkeypatch):
         trainer_module.broadcast(count, src=0)
     assert count.item() == 5.0
     assert trainer_module.ar is torch.distributed.all_reduce
+
+
+@pytest.mark.ddp(world_size=2)
+def test_ddp_s_join_keeps_its_real_group_in_the_world_of_one(ddp):
+    """A script rerun in a world of one builds its DDP on the rank's own group of one, and DDP's join
+    all-reduces on that group and hands the work handle to DDP's reducer, which takes only a real one:
+    a stand-in there raised "_set_forward_pass_work_handle(): incompatible function arguments"."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_conformance.checks.support.one_world import world_of_one
+
+    alone = [dist.new_group([r]) for r in range(ddp.world_size)][ddp.rank]
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(3, 1), process_group=alone)
+    with world_of_one(), model.join():
+        model(torch.ones(2, 3)).sum().backward()
+    assert torch.equal(model.module.weight.grad, torch.full((1, 3), 2.0))  # this rank's own gradient, unaveraged
