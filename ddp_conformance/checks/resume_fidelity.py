@@ -373,18 +373,19 @@ def _follows_all(statics: list[list[Cause]]) -> str:
 
 
 RNG_LOST = "the RNG state is not restored"
+LOADER_DRAW = "the resumed run draws from the RNG one draw off"
 RNG_REMEDY = "save and restore the torch/numpy/python RNG states of every rank"
 # what this rank's torch RNG was as the resumed run's first micro-batch began, against the uninterrupted
 # run's as the micro-batch after step k began
 RNG_SAME, RNG_FRESH, RNG_OTHER, RNG_SHIFTED = "same", "fresh", "other", "shifted"
 
 
-def _rng_evidence(ctx: CheckContext, k: int) -> str:
+def _rng_evidence(ctx: CheckContext, k: int, label: str = "resumed") -> str:
     """RNG_SAME where the states match or the trainer draws nothing from torch's RNG (so none can
     matter); RNG_FRESH where the resumed run starts from a fresh fit's first state (seeded on start);
     RNG_SHIFTED where it differs while a DataLoader drew its own seeds just before it and not before the
     uninterrupted run's (the loader's draw may be the difference); else RNG_OTHER."""
-    full, resumed = ctx.recordings["uninterrupted"], ctx.recordings["resumed"]
+    full, resumed = ctx.recordings["uninterrupted"], ctx.recordings[label]
     at = next((m for m in full.rng_trail if m.steps == k), None)
     if not full.rng_consumed or at is None or not resumed.rng_trail or resumed.rng_trail[0].rng == at.rng:
         return RNG_SAME
@@ -580,6 +581,16 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     if _fed_alike(ctx, label, k):
         if other_causes or any(rng):
             return rng, []
+        evidence_again = all_gather(_rng_evidence(ctx, k, label) if rerun else "")
+        shifted = [rank for rank, e in enumerate(evidence_again) if e == RNG_SHIFTED]
+        if shifted:  # the restored RNG, then the loader's own draw: the only thing between them and the training
+            return rng, [_cause(
+                f"{LOADER_DRAW}: {head}{at} ({worst.describe()}), fed the inputs the uninterrupted run was fed, from "
+                f"the RNG as it was at the checkpoint: the resumed run's DataLoader draws its seed from the global "
+                f"RNG as it starts mid-epoch (rank {shifted[0]}), a draw the uninterrupted run made at the epoch's "
+                "start, before the checkpoint, so everything drawn after it (dropout) is drawn one step on; give the "
+                "loader a generator of its own (DataLoader(..., generator=torch.Generator().manual_seed(seed))), or "
+                "restore the RNG state after the resumed run's loader has started")]
         return rng, [_cause(
                 f"state the checkpoint does not hold is lost: {head}{at} ({worst.describe()}) although the resumed "
                 "run is fed the inputs the uninterrupted run was fed, with the RNG as it was at the checkpoint and "
