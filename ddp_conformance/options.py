@@ -18,6 +18,7 @@ import pytest
 from .config import ConfigError, RunConfig, load_config
 from .runner.controller import RunnerSettings
 from .runner.wire import WARMUP
+from .selection import DEFAULT_CHECKS, OPT_IN, parse_checks
 
 if TYPE_CHECKING:
     from .trainers.spec import TrainerSpec
@@ -41,6 +42,7 @@ class Settings:
     trainers: tuple[str, ...] = ("torch", "lightning")
     config_path: str | None = None
     report_path: str | None = None
+    checks: tuple[str, ...] = DEFAULT_CHECKS  # the conformance checks the suite runs, in suite order
     spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
 
     @property
@@ -115,6 +117,11 @@ def add_options(parser: pytest.Parser) -> None:
         "adapter), lightning:pkg.module:LitModule[+pkg.module:LitDataModule] (no adapter); default both built-ins.",
     )
     group.addoption(
+        "--ddp-checks", dest="ddp_checks", default=None, metavar="CHECKS",
+        help="the conformance checks to run, comma-separated: check ids, default (every check but "
+        f"{', '.join(OPT_IN)}) and all; default: default.",
+    )
+    group.addoption(
         "--ddp-config", dest="ddp_config", default=None, metavar="PATH",
         help="Lightning-style YAML run config (trainer.strategy, trainer.precision, ...; see docs/adapter.md).",
     )
@@ -123,6 +130,7 @@ def add_options(parser: pytest.Parser) -> None:
         help="write the conformance results as JSON to PATH.",
     )
     parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
+    parser.addini("ddp_checks", "default --ddp-checks", default=None)
     parser.addini("ddp_config", "default --ddp-config (relative to the rootdir)", default=None)
     parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
@@ -198,7 +206,17 @@ def read_settings(config: pytest.Config) -> Settings:
     spec_base = config.invocation_params.dir if typed else config.rootpath
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
                     rank_threads=threads, device=device, trainers=trainers, config_path=_path(config, "ddp_config"),
-                    report_path=_path(config, "ddp_report"), spec_base=str(spec_base))
+                    report_path=_path(config, "ddp_report"), checks=_checks(config), spec_base=str(spec_base))
+
+
+def _checks(config: pytest.Config) -> tuple[str, ...]:
+    raw, where = _raw(config, "ddp_checks")
+    if raw is None:
+        return DEFAULT_CHECKS
+    try:
+        return parse_checks(raw)
+    except ValueError as exc:
+        raise pytest.UsageError(f"{where}: {exc}") from None
 
 
 def _device(config: pytest.Config, backend: str) -> str:

@@ -23,26 +23,10 @@ import pytest
 
 from ..adapter import NotProvided, named
 from ..config import RunConfig
+from ..selection import CHECK_IDS, DEFAULT_CHECKS
 from ..trainers.spec import TrainerSpec
 from .support import kept
 from .support.check_context import CheckContext, CheckFailed, hide_on_verdict
-
-#: the check ids, in the order the suite runs them and the report shows them
-CHECK_IDS: tuple[str, ...] = (
-    "rank_participation",
-    "sampler_disjointness",
-    "data_consistency",
-    "gradient_equivalence",
-    "resume_fidelity",
-    "bucket_view_memory",
-    "sync_batchnorm",
-    "mixed_precision",
-    "initial_sync",
-    "bucket_cap_mb_invariance",
-    "static_graph",
-    "uneven_inputs",
-    "accumulation_equivalence",
-)
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)
 RESULT_FIGURE = "conformance_result"
@@ -132,5 +116,5 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     return result
 
 
-__all__ = ["CHECK_IDS", "RESULT_FIGURE", "CheckContext", "CheckFailed", "CheckOptions", "CheckResult", "run_check",
-           "stall_seconds"]
+__all__ = ["CHECK_IDS", "DEFAULT_CHECKS", "RESULT_FIGURE", "CheckContext", "CheckFailed", "CheckOptions",
+           "CheckResult", "run_check", "stall_seconds"]

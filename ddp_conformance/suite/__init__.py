@@ -2,6 +2,6 @@
 
     python -m pytest --pyargs ddp_conformance.suite --ddp-trainer SPEC --ddp-world-size N
 
-One test per trainer (`--ddp-trainer`, repeatable; default both references) per check
-(`ddp_conformance.checks.CHECK_IDS`), id `test_conformance[<trainer>-<check>]`.
+One test per trainer (`--ddp-trainer`, repeatable; default both references) per check `--ddp-checks`
+selects (default: `ddp_conformance.selection.DEFAULT_CHECKS`), id `test_conformance[<trainer>-<check>]`.
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from ddp_conformance.builds import unbuilt_trainers
-from ddp_conformance.checks import CHECK_IDS, CheckOptions, run_check, stall_seconds
+from ddp_conformance.checks import CheckOptions, run_check, stall_seconds
 from ddp_conformance.config import RunConfig
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import run_config, session_trainers, settings_of
@@ -30,8 +30,9 @@ def parsed_trainers(config: pytest.Config) -> dict[str, TrainerSpec]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.name != "test_conformance":
         return
+    checks = settings_of(metafunc.config).checks  # `--ddp-checks`
     params = [pytest.param(text, check, id=f"{spec.label}-{check}")
-              for text, spec in parsed_trainers(metafunc.config).items() for check in CHECK_IDS]
+              for text, spec in parsed_trainers(metafunc.config).items() for check in checks]
     metafunc.parametrize(("trainer", "check"), params)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks import DEFAULT_CHECKS
 from tests.helpers import failure_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def assert_no_harness(text: str) -> None:
 def test_a_trainer_that_cannot_be_built_is_reported_once_with_its_own_traceback(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(init_raises=INIT_RAISES)
     result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "init_raises.py:MyTrainer", "-rs")
-    result.assert_outcomes(failed=1, skipped=len(CHECK_IDS) - 1)
+    result.assert_outcomes(failed=1, skipped=len(DEFAULT_CHECKS) - 1)
     report = failure_report(result.outlines)
     text = "\n".join(report)
     assert report[1] == ("2 of 2 ranks failed: ranks 0, 1 failed: TrainerBuildError: trainer init_raises.MyTrainer "
@@ -42,12 +42,12 @@ def test_a_trainer_that_cannot_be_built_is_reported_once_with_its_own_traceback(
     assert report[-2:] == ["init_raises.py:7: ValueError", ""], text  # the user's frame, and only it
     assert_no_harness(text)
     skipped = [line for line in result.outlines if line.startswith("SKIPPED")]
-    assert len(skipped) == 1 and skipped[0].startswith(f"SKIPPED [{len(CHECK_IDS) - 1}]") and skipped[0].endswith(
+    assert len(skipped) == 1 and skipped[0].startswith(f"SKIPPED [{len(DEFAULT_CHECKS) - 1}]") and skipped[0].endswith(
         ": trainer init_raises.MyTrainer could not be built (see test "
         "test_conformance[init_raises.MyTrainer-rank_participation])"), skipped
     # the whole session, with pytest's header, the matrix (or, where it cannot fit, a list: a line and a
     # two-line note a check), its notes and the -rs line: was 581 lines
-    assert len(result.outlines) <= 42 + 3 * len(CHECK_IDS), (len(result.outlines), result.stdout.str())
+    assert len(result.outlines) <= 42 + 3 * len(DEFAULT_CHECKS), (len(result.outlines), result.stdout.str())
 
 
 @pytest.mark.slow  # the default run proves the skip itself (the test above); this, that it stays one trainer's

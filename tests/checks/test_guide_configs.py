@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks import DEFAULT_CHECKS
 from tests.checks.test_suite import REFERENCES, not_applicable, run_nested
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "configs").glob("*.yaml"))
@@ -21,11 +21,11 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "configs").
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=[path.stem for path in CONFIGS])
 def test_both_references_pass_every_check_with_every_guide_config(tmp_path: Path, config: Path) -> None:
-    session = run_nested(tmp_path, [(spec, check) for spec in REFERENCES for check in CHECK_IDS], config)
+    session = run_nested(tmp_path, [(spec, check) for spec in REFERENCES for check in DEFAULT_CHECKS], config)
     judged = {}
     for spec in REFERENCES:
         results = session["results"][spec]
-        assert list(results) == list(CHECK_IDS), session["proc"].stdout[-3000:]
+        assert list(results) == list(DEFAULT_CHECKS), session["proc"].stdout[-3000:]
         judged[spec] = {check: r["outcome"] for check, r in results.items() if not not_applicable(check, r)}
         wrong = {check: r["message"] for check, r in results.items()
                  if r["outcome"] != "passed" and not not_applicable(check, r)}

@@ -31,7 +31,7 @@ import yaml
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks import DEFAULT_CHECKS
 from ddp_conformance.checks.support.sampling import ORDER_MIN_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,7 @@ DRAWN = int(os.environ.get("DDP_SCENARIOS", "0"))
 def test_references_pass_and_mutants_are_caught_in_drawn_scenarios(tmp_path_factory: pytest.TempPathFactory,
                                                                   scenario: dict) -> None:
     results = run_scenario(tmp_path_factory.mktemp("scenario"), scenario)
-    checks = [c for c in CHECK_IDS if c not in NOT_DRAWN]
+    checks = [c for c in DEFAULT_CHECKS if c not in NOT_DRAWN]
     reference = {c: (r["outcome"], r["message"]) for c, r in results["reference"].items()}
     accumulation, reason = reference.pop("accumulation_equivalence")
     assert all(outcome == "passed" for outcome, _ in reference.values()), (scenario, reference)

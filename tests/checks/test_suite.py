@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks import CHECK_IDS, DEFAULT_CHECKS
 from ddp_conformance.report import schema
 from tests.checks.test_report import assert_fits_and_nothing_is_cut
 
@@ -80,9 +80,10 @@ def declared(path: Path, name: str, default: Any = _REQUIRED) -> Any:
 def planned(path: Path) -> list[str]:
     """The checks the default run's session asks of a mutant: those it breaks or skips, or where it fails every
     check that fits alike (a hang, a crash in DDP), the few it names (`ASKED_BY_DEFAULT`); of a control, those
-    its unusual correctness concerns (`CONCERNS`), else all."""
+    its unusual correctness concerns (`CONCERNS`), else the default set's. An opt-in check (`--ddp-checks`) is
+    asked only of the fixtures that name it."""
     if declared(path, "CONTROL", ""):
-        concerns = set(declared(path, "CONCERNS", CHECK_IDS))
+        concerns = set(declared(path, "CONCERNS", DEFAULT_CHECKS))
         return [check for check in CHECK_IDS if check in concerns]
     named = set(declared(path, "ASKED_BY_DEFAULT", set())) or (
         set(declared(path, "BREAKS")) | set(declared(path, "SKIPS", {})))
@@ -134,7 +135,8 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFI
     selected.write_text(json.dumps(pairs))
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "-p", "tests.checks.nested_selection", "--ddp-world-size", "2", "--ddp-timeout", "20",
-               "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}", *options]
+               "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}",
+               "--ddp-checks", "all", *options]
     for spec in dict.fromkeys(spec for spec, _ in pairs):
         command += ["--ddp-trainer", spec]
     env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),
@@ -159,7 +161,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def rest_of_the_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pairs: list[tuple[str | Path, str]] = [(path, check) for path in MUTANTS for check in CHECK_IDS
+    pairs: list[tuple[str | Path, str]] = [(path, check) for path in MUTANTS for check in DEFAULT_CHECKS
                                            if check not in planned(path)]
     return run_grouped(tmp_path_factory.mktemp("suite_rest"), pairs)
 
@@ -168,8 +170,18 @@ def test_reference_trainers_pass_every_check(session: dict[str, Any]) -> None:
     for spec in REFERENCES:
         results = session["results"][spec]
         assert list(results) == list(CHECK_IDS)
-        failed = {c: r["message"] for c, r in results.items() if r["outcome"] != "passed" and not not_applicable(c, r)}
+        failed = {c: r["message"] for c, r in results.items()
+                  if c in DEFAULT_CHECKS and r["outcome"] != "passed" and not not_applicable(c, r)}
         assert not failed, f"{spec}: {failed}"
+
+
+def test_the_references_step_on_a_nonfinite_loss_as_the_guides_write_them(session: dict[str, Any]) -> None:
+    """The opt-in check fails the references: like the guides' loops and stock Lightning, they have no guard."""
+    for spec in REFERENCES:
+        result = session["results"][spec]["nonfinite_loss"]
+        assert result["outcome"] == "failed" and "every rank stepped on it" in result["message"], result
+        assert result["message"].startswith("rank 1's loss turned non-finite at step 2 (NaN added to its model's "
+                                            "first layer, a Linear's output)"), result
 
 
 @pytest.mark.parametrize("path", MUTANTS, ids=[p.stem for p in MUTANTS])
@@ -216,7 +228,7 @@ def test_a_script_that_reseeds_and_draws_its_batches_is_blamed_on_its_rng_not_a_
     assert "data position" not in message and "the batches after the resume differ too, following the RNG" in message
 
 
-UNPLANNED = [path for path in MUTANTS if len(planned(path)) < len(CHECK_IDS)]
+UNPLANNED = [path for path in MUTANTS if set(DEFAULT_CHECKS) - set(planned(path))]
 
 
 @pytest.mark.slow
@@ -225,7 +237,7 @@ def test_mutant_passes_every_check_whose_bug_it_is_not(rest_of_the_matrix: dict[
     """The rest of the matrix: mostly checks a fixture must pass, and the rest of what a fixture that fails every
     check alike declares beyond `ASKED_BY_DEFAULT`."""
     results = rest_of_the_matrix["results"][spec_of(path)]
-    assert list(results) == [check for check in CHECK_IDS if check not in planned(path)]
+    assert list(results) == [check for check in DEFAULT_CHECKS if check not in planned(path)]
     assert_as_declared(path, results, picks_a_gpu(path))
 
 

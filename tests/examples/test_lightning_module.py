@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS
+from ddp_conformance.checks import DEFAULT_CHECKS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_module"
@@ -92,13 +92,13 @@ def assert_not_exercised(results: dict[str, Any]) -> None:
 
 
 def outcomes(results: dict[str, Any]) -> dict[str, str]:
-    return {check: results[check]["outcome"] for check in CHECK_IDS}
+    return {check: results[check]["outcome"] for check in DEFAULT_CHECKS}
 
 
 @pytest.mark.slow  # one whole suite session; test_suite.py holds lightning: SPECs to every check
 def test_the_example_passes_every_check_with_no_adapter(session: dict[str, Any]) -> None:
     results = session["results"]["example"]
-    assert outcomes(results) == {**dict.fromkeys(CHECK_IDS, "passed"), **NOT_EXERCISED,
+    assert outcomes(results) == {**dict.fromkeys(DEFAULT_CHECKS, "passed"), **NOT_EXERCISED,
                                  "bucket_view_memory": "skipped"}, results
     assert_not_exercised(results)
     assert results["resume_fidelity"]["figures"]["comparison"] == "bitwise"

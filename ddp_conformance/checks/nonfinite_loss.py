@@ -1,0 +1,183 @@
+"""nonfinite_loss: a non-finite loss on one rank is acted on by every rank at the same step, not stepped
+on silently, and not skipped by that rank alone.
+
+A NaN or inf loss shows up on one rank (one bad batch, an overflow). DDP averages that rank's NaN
+gradients into every rank's, so an unguarded loop steps every rank onto NaN parameters at once, and the
+run is lost with no rank having said so (the guides' own "print a warning and go on" does exactly that).
+A guard must decide on every rank together. One that reads the rank's own loss (`if not
+torch.isfinite(loss): continue`, a LightningModule returning None) skips on that rank alone: the others
+wait in the all-reduce it never joins (a hang), or pair it with the skipping rank's next batch (the ranks
+one batch apart from then on), or step where it does not (different models on the ranks).
+
+Opt-in (`--ddp-checks nonfinite_loss`): DDP promises nothing here, and most trainers, stock Lightning's
+loop included, have no guard, so the default set would fail nearly all of them.
+
+Evidence: one fit of `STEPS` optimizer steps in which the last rank's model turns non-finite at the first
+micro-batch of step `POISONED_STEP`: the output of the first module that holds parameters of its own (the
+embedding, the first layer) gets NaN added, as a NaN in the batch would make it, so the trainer's own loss,
+and whatever guard reads it inside `training_step` or the loop, sees a NaN. Judged after the fit, from every
+rank's micro-batch count and final parameters (finite, and a digest to compare):
+- the fit hangs: the trainer acted on it on that rank alone (the stall names who stopped where);
+- the ranks ran different numbers of micro-batches: that rank dropped its batch alone;
+- the ranks end with different parameters: some stepped on it and some did not;
+- every rank ends with non-finite parameters: every rank stepped on it, silently;
+- every rank ends finite and alike (every rank skipped the step, or zeroed its averaged gradients), or
+  every rank stopped at once with the same error: passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from ..adapter import TrainerBuildError
+from ..runner.parent.verdict import ranks_label
+from .support.adapter_errors import AdapterError
+from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
+from .support.observe import children, rebuilt, step_digest, unwrapped
+from .support.progress import guarded_fit
+
+STEPS = 3
+POISONED_STEP = 2  # not the first: DDP's first iteration is special (bucket rebuild, static graph's first pass)
+LABEL = "nonfinite"
+TRACED_MICRO_BATCHES = 64  # the parameters are digested as each of the fit's micro-batches begins, up to this many
+REMEDY = ("a guard must decide on every rank together (skip the step when the gradients DDP averaged are not "
+          "finite, or all-reduce the loss's finite flag before backward)")
+
+
+class Poison:
+    """Adds NaN to the output of the first module with parameters of its own that runs in the first training
+    micro-batch after optimizer step `POISONED_STEP - 1`, once, on this rank (`armed`): read from the guarded
+    fit's recorder (`ctx.recordings[LABEL]`), whose forward pre-hook has counted that step's micro-batch."""
+
+    def __init__(self, ctx: CheckContext, armed: bool) -> None:
+        self.ctx, self.armed = ctx, armed
+        self.at_micro_batch: int | None = None  # where it struck (1-based), None: not (yet)
+        self.module = ""  # the class of the module whose output it made non-finite
+        # from the second micro-batch on: the model's parameters as that micro-batch began (finite, digest)
+        self.states: list[tuple[bool, str]] = []
+
+    def __enter__(self) -> Poison:
+        self._handles = [register_module_forward_pre_hook(self._on_input),
+                         register_module_forward_hook(self._on_output)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _on_input(self, module: Any, _args: Any) -> None:
+        """Runs before the recorder's hook of the same forward, which counts it (the recorder is entered later)."""
+        record = self.ctx.recordings.get(LABEL)
+        if record is not None and module is record.model and len(self.states) < TRACED_MICRO_BATCHES \
+                and module.training and torch.is_grad_enabled():
+            self.states.append(parameter_state(module))
+
+    def _on_output(self, module: Any, _args: Any, output: Any) -> Any:
+        record = self.ctx.recordings.get(LABEL)
+        if not self.armed or self.at_micro_batch is not None or record is None or record.model is None:
+            return None
+        if record.optimizer_steps != POISONED_STEP - 1 or not (module.training and torch.is_grad_enabled()):
+            return None
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return None
+        poisoned, changed = _plus_nan(output)
+        if not changed:
+            return None
+        self.at_micro_batch, self.module = record.micro_batches, type(module).__name__
+        return poisoned
+
+
+def _plus_nan(output: Any) -> tuple[Any, bool]:
+    """`output` with NaN added to every floating-point tensor in it (kept in the autograd graph, so the
+    gradients turn NaN as a NaN input makes them), and whether there was one."""
+    if isinstance(output, torch.Tensor):
+        return (output + float("nan"), True) if output.is_floating_point() else (output, False)
+    items = children(output)
+    if items is None:
+        return output, False
+    pairs = [_plus_nan(item) for item in items]
+    return rebuilt(output, [item for item, _ in pairs]), any(changed for _, changed in pairs)
+
+
+def run(ctx: CheckContext) -> dict[str, Any]:
+    __tracebackhide__ = hide_on_verdict
+    poisoned = ctx.world_size - 1
+    figures: dict[str, Any] = {"steps": STEPS, "poisoned_rank": poisoned, "poisoned_step": POISONED_STEP}
+    adapter = ctx.adapter(ctx.config)
+    with Poison(ctx, armed=ctx.rank == poisoned) as poison:
+        try:
+            guarded_fit(ctx, LABEL, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
+        except CheckFailed as exc:
+            raise ctx.fail(f"{_made(poisoned)}, and the fit hangs: the trainer acted on it on rank {poisoned} "
+                           f"alone: {REMEDY}. {exc}", **figures) from None
+        except TrainerBuildError:
+            # a script's run that its guard left a step short ends as asked but is refused for its count:
+            # what it did is in the recorder
+            if ctx.recordings[LABEL].optimizer_steps >= STEPS:
+                raise
+        except AdapterError as exc:  # every rank raised alike: they all stopped, together
+            if all_gather(poison.at_micro_batch)[poisoned] is None:
+                raise
+            figures["summary"] = f"every rank stops at step {POISONED_STEP}"
+            ctx.note(f"every rank's fit raised after rank {poisoned}'s loss turned non-finite: {exc}")
+            return figures
+    record = ctx.recordings[LABEL]
+    end = parameter_state(record.model) if record.model is not None else (True, "")  # what the ranks go on with
+    mine = {"struck": poison.at_micro_batch, "module": poison.module, "micro_batches": record.micro_batches,
+            "optimizer_steps": record.optimizer_steps, "states": [*poison.states, end]}
+    every = all_gather(mine)
+    figures.update(micro_batches=[rank["micro_batches"] for rank in every],
+                   optimizer_steps=[rank["optimizer_steps"] for rank in every])
+    verdict = judge(every, poisoned)
+    if verdict:
+        raise ctx.fail(verdict, **figures)
+    figures["summary"] = f"every rank alike at step {POISONED_STEP}"
+    return figures
+
+
+def judge(every: list[dict[str, Any]], poisoned: int) -> str:
+    """The verdict on a fit that finished on every rank, from each rank's evidence ("" when it passes)."""
+    __tracebackhide__ = hide_on_verdict
+    if every[poisoned]["struck"] is None:
+        pytest.skip(f"rank {poisoned}'s fit ran no training forward of a module with parameters after step "
+                    f"{POISONED_STEP - 1} whose output held a floating-point tensor, so no loss could be made "
+                    "non-finite")
+    made = _made(poisoned, every[poisoned]["module"])
+    counts = [rank["micro_batches"] for rank in every]
+    others = [r for r, count in enumerate(counts) if count != counts[poisoned]]
+    if others:
+        return (f"{made}, and rank {poisoned} dropped that batch alone: it ran {counts[poisoned]} micro-batches, "
+                f"{ranks_label(others)} {', '.join(str(counts[r]) for r in others)}, so each all-reduce after it "
+                f"averages rank {poisoned}'s next batch with the others' current one and at an epoch's end the "
+                f"others wait for a batch it no longer has: {REMEDY}")
+    for states in zip(*(rank["states"] for rank in every), strict=False):  # micro-batch by micro-batch, then the end
+        finite = [r for r, (ok, _) in enumerate(states) if ok]
+        if finite and len(finite) < len(every):
+            stepped = [r for r in range(len(every)) if r not in finite]
+            return (f"{made}, and the ranks acted on it apart: {ranks_label(finite)} kept finite parameters while "
+                    f"{ranks_label(stepped)} stepped on NaN gradients (the guard reads each rank's own loss), so "
+                    f"the ranks now train different models: {REMEDY}")
+        apart = [r for r, (_, digest) in enumerate(states) if digest != states[0][1]]
+        if apart:
+            return (f"{made}, and {ranks_label(apart)} {'goes' if len(apart) == 1 else 'go'} on with other "
+                    f"parameters than rank 0: the ranks acted on it apart: {REMEDY}")
+    if not every[0]["states"][-1][0]:
+        return (f"{made}, and every rank stepped on it: the parameters are NaN on every rank from step "
+                f"{POISONED_STEP} (DDP averaged rank {poisoned}'s NaN gradients into every rank's) and no rank "
+                f"skipped the step or stopped: {REMEDY}")
+    return ""
+
+
+def parameter_state(model: Any) -> tuple[bool, str]:
+    """Whether every floating-point parameter of the (unwrapped) model is finite, and their digest."""
+    floats = [p.detach() for p in unwrapped(model).parameters() if p.is_floating_point()]
+    return all(bool(torch.isfinite(t).all()) for t in floats), step_digest(floats)
+
+
+def _made(rank: int, module: str = "") -> str:
+    layer = f"first layer, a {module}" if module else "first layer"
+    return f"rank {rank}'s loss turned non-finite at step {POISONED_STEP} (NaN added to its model's {layer}'s output)"
