@@ -48,3 +48,38 @@ def test_missing_adapter_methods_skip_with_the_reason(pytester: pytest.Pytester)
         assert outcomes[check]["outcome"] == "skipped"
         assert "trainer partial_adapter.OnlyData does not provide" in outcomes[check]["message"], outcomes[check]
 
+
+
+ONE_RANK_CANNOT = """
+from ddp_conformance.adapter import NotProvided
+from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+class Trainer(TorchTrainer):
+    name = "one-rank-cannot"
+    real_rank = None  # the rank this process has in the real group, seen at its first setup
+
+    def setup(self, config, ctx):
+        if Trainer.real_rank is None:
+            Trainer.real_rank = ctx.rank
+        super().setup(config, ctx)
+
+    def loss(self, model, batch):
+        if self.ctx.world_size == 1 and Trainer.real_rank == 1:
+            raise NotProvided(self, "loss", "this rank's single-process loss reads files only rank 0 has")
+        return super().loss(model, batch)
+"""
+
+
+def test_a_reference_only_some_ranks_cannot_compute_is_not_computed_on_any(pytester: pytest.Pytester) -> None:
+    """gradient_equivalence's single-process step: a rank told NotProvided there, while the others computed
+    it, once went its own way into a fit while the others waited in the check's next collective (a hang)."""
+    pytester.makepyfile(one_rank_cannot=ONE_RANK_CANNOT)
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "--ddp-timeout", "30", "-p", "no:cacheprovider",
+        "--ddp-trainer", "one_rank_cannot.py:Trainer", "--ddp-checks", "gradient_equivalence", "--ddp-report",
+        "report.json")
+    result = json.loads((pytester.path / "report.json").read_text())["results"][0]
+    # every rank judged it from its fit's first step instead, which the trainer's fit gives
+    assert result["outcome"] == "passed" and result["figures"]["fit_step"] == "judged", result
+    assert "fit_step_max_rel_delta" not in result["figures"], result  # the DDP step beside the fit's was not judged

@@ -145,10 +145,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, batch.shard(0, rank))
-    with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
-        single_loss = single.loss(reference, batch.whole())
-        single_loss.backward()
-        single.loss(own, batch.shard(0, rank)).backward()
+    single_loss = _single_process_backward(ctx, single, reference, own, batch)
     ddp_g, single_g, own_g = grads_of(wrapped), grads_of(reference), grads_of(own)
     name, delta, scale = max_delta(ddp_g, single_g)
     tolerance = rtol * scale
@@ -172,6 +169,29 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     if delta > tolerance:
         ctx.note(f"the DDP step's gradients are {clipping(ddp_g, single_g, rtol)}")
     return wrapped, figures
+
+
+def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, own: Any, batch: GlobalBatch) -> Any:
+    """The single-process run's backward of the whole batch's loss (returned) and of this rank's shard's. A
+    trainer that cannot give a loss there on some rank (NotProvided) is skipped on every rank alike: the ranks
+    that could would otherwise go on to collectives the others never join."""
+    try:
+        with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
+            single_loss = single.loss(reference, batch.whole())
+            single_loss.backward()
+            single.loss(own, batch.shard(0, ctx.rank)).backward()
+    except NotProvided as exc:
+        missing: NotProvided | None = exc
+    else:
+        missing = None
+    reasons = all_gather(str(missing) if missing is not None else None)
+    first = next((r for r, reason in enumerate(reasons) if reason is not None), None)
+    if first is None:
+        return single_loss
+    if missing is None:  # this rank's words are the rank that could not
+        missing = NotProvided(single, "loss")
+        missing.args = (reasons[first],)
+    raise missing
 
 
 def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: float) -> str:

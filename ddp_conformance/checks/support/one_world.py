@@ -174,9 +174,9 @@ def world_of_one() -> Iterator[None]:
     """The trainer's code as it runs in a world of one process: `torch.distributed.get_world_size()`
     and `get_rank()` say 1 and 0, its collectives have one participant (module docstring), as do
     the names the trainer's modules imported (`from torch.distributed import get_world_size [as ws]`),
-    and WORLD_SIZE/RANK say so too, so a loss scaled by the world size, or by a count summed over
-    ranks, is not scaled in the reference it is compared with. (A name bound elsewhere, in a closure or
-    a default argument, keeps the real value: docs/checks.md.)"""
+    and WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE say so too, so a loss scaled by the world size, or by
+    a count summed over ranks, is not scaled in the reference it is compared with. (A name bound elsewhere,
+    in a closure or a default argument, keeps the real value: docs/checks.md.)"""
 
     replaced = stand_ins()
     originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in replaced.items()}
@@ -185,7 +185,9 @@ def world_of_one() -> Iterator[None]:
             stack.enter_context(mock.patch.object(module, name, stand_in))
         for name, stand_in in replaced.items():
             stack.enter_context(mock.patch.object(dist, name, stand_in))
-        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0"}))
+        # LOCAL_RANK too: Lightning's strategy indexes its one device with it (`parallel_devices[local_rank]`)
+        stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+                                                         "LOCAL_WORLD_SIZE": "1"}))
         yield
 
 
