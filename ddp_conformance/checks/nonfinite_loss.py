@@ -112,8 +112,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         try:
             guarded_fit(ctx, LABEL, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
         except CheckFailed as exc:
-            raise ctx.fail(f"{_made(poisoned)}, and the fit hangs: the trainer acted on it on rank {poisoned} "
-                           f"alone: {REMEDY}. {exc}", **figures) from None
+            raise ctx.fail(f"{_made(poisoned)}, and {_hang(str(exc), poisoned)}: {REMEDY}. {exc}", **figures) from None
         except TrainerBuildError:
             # a script's run that its guard left a step short ends as asked but is refused for its count:
             # what it did is in the recorder
@@ -178,6 +177,16 @@ def parameter_state(model: Any) -> tuple[bool, str]:
     return all(bool(torch.isfinite(t).all()) for t in floats), step_digest(floats)
 
 
+def _hang(stall: str, rank: int) -> str:
+    """What a hung fit says of the poisoned rank: it stopped (its fit raised, or exited) or went on alone."""
+    if f"rank {rank} failed with" in stall:
+        return (f"rank {rank} stopped alone while the others wait for it in DDP's collectives (a launcher that "
+                "watches its processes, torchrun, then ends the job; without one they hang until the collective "
+                "times out)")
+    return f"the fit hangs: the trainer acted on it on rank {rank} alone"
+
+
 def _made(rank: int, module: str = "") -> str:
-    layer = f"first layer, a {module}" if module else "first layer"
-    return f"rank {rank}'s loss turned non-finite at step {POISONED_STEP} (NaN added to its model's {layer}'s output)"
+    layer = f"first layer, {module}" if module else "first layer"
+    return (f"rank {rank}'s loss turned non-finite at step {POISONED_STEP} (NaN added to the output of its model's "
+            f"{layer})")

@@ -180,8 +180,8 @@ def test_the_references_step_on_a_nonfinite_loss_as_the_guides_write_them(sessio
     for spec in REFERENCES:
         result = session["results"][spec]["nonfinite_loss"]
         assert result["outcome"] == "failed" and "every rank stepped on it" in result["message"], result
-        assert result["message"].startswith("rank 1's loss turned non-finite at step 2 (NaN added to its model's "
-                                            "first layer, a Linear's output)"), result
+        assert result["message"].startswith("rank 1's loss turned non-finite at step 2 (NaN added to the output "
+                                            "of its model's first layer, Linear)"), result
 
 
 @pytest.mark.parametrize("path", MUTANTS, ids=[p.stem for p in MUTANTS])
