@@ -149,8 +149,10 @@ def judge(every: list[dict[str, Any]], poisoned: int) -> str:
     counts = [rank["micro_batches"] for rank in every]
     others = [r for r, count in enumerate(counts) if count != counts[poisoned]]
     if others:
+        theirs = (f"{ranks_label(others)} {counts[others[0]]}" if len({counts[r] for r in others}) == 1
+                  else ", ".join(f"rank {r} {counts[r]}" for r in others))
         return (f"{made}, and rank {poisoned} dropped that batch alone: it ran {counts[poisoned]} micro-batches, "
-                f"{ranks_label(others)} {', '.join(str(counts[r]) for r in others)}, so each all-reduce after it "
+                f"{theirs}, so each all-reduce after it "
                 f"averages rank {poisoned}'s next batch with the others' current one and at an epoch's end the "
                 f"others wait for a batch it no longer has: {REMEDY}")
     for states in zip(*(rank["states"] for rank in every), strict=False):  # micro-batch by micro-batch, then the end
@@ -164,6 +166,9 @@ def judge(every: list[dict[str, Any]], poisoned: int) -> str:
         if apart:
             return (f"{made}, and {ranks_label(apart)} {'goes' if len(apart) == 1 else 'go'} on with other "
                     f"parameters than rank 0: the ranks acted on it apart: {REMEDY}")
+    if not every[0]["states"][-1][0] and len(every) == 1:
+        return (f"{made}, and the loop stepped on it: the parameters are NaN from step {POISONED_STEP}, and it "
+                "neither skipped the step nor stopped: guard the step (skip it when the gradients are not finite)")
     if not every[0]["states"][-1][0]:
         return (f"{made}, and every rank stepped on it: the parameters are NaN on every rank from step "
                 f"{POISONED_STEP} (DDP averaged rank {poisoned}'s NaN gradients into every rank's) and no rank "
