@@ -456,9 +456,16 @@ class LightningAdapter(TrainerAdapter):
         """The DDP kwargs of the fits and of `wrap`: the run config's, and those of a DDPStrategy in the
         factory's Trainer arguments that the config does not set (`merged_ddp_kwargs`); cached."""
         if self._ddp_kwargs is None:
-            theirs = seeded(self.config.seed, self.build).trainer_kwargs.get("strategy")
-            self._ddp_kwargs = merged_ddp_kwargs(theirs, self.config.trainer.strategy.ddp_kwargs())
+            self._read_ddp_kwargs(seeded(self.config.seed, self.build))
+        assert self._ddp_kwargs is not None
         return self._ddp_kwargs
+
+    def _read_ddp_kwargs(self, built: LightningBuild) -> None:
+        """Cache the DDP kwargs off a build the adapter made anyway: one made only to read them costs a whole
+        build per adapter (a model's initialisation, a factory's pretrained weights loaded again)."""
+        if self._ddp_kwargs is None:
+            theirs = built.trainer_kwargs.get("strategy")
+            self._ddp_kwargs = merged_ddp_kwargs(theirs, self.config.trainer.strategy.ddp_kwargs())
 
     def plugins(self) -> list[Any]:
         return []
@@ -657,6 +664,7 @@ class LightningAdapter(TrainerAdapter):
         with lightning_environment(self.ctx.local_rank):
             pl.seed_everything(self.config.seed, verbose=False)
             built = seeded(self.config.seed, self.build)  # the same on every rank; the global RNG stays at the seed
+            self._read_ddp_kwargs(built)
             trainer = self.make_trainer(built, callbacks, max_steps=steps)
             trainer.fit(built.module, datamodule=built.datamodule,
                         ckpt_path=str(ckpt_path) if ckpt_path is not None else None, **self.fit_arguments())
