@@ -449,8 +449,11 @@ class LightningAdapter(TrainerAdapter):
         whatever `strategy()` returns, so a subclass's strategy (the reference's) gets them too."""
         if self.device.type != "cuda":
             return None
+        local_ranks = self.ctx.world_size // self.ctx.num_nodes
+        if local_ranks == 1:  # its own GPU: in a world of one (a check's single-process reference) on any rank too
+            return [self.device]
         gpus = max(torch.cuda.device_count(), 1)
-        return [torch.device("cuda", i % gpus) for i in range(self.ctx.world_size // self.ctx.num_nodes)]
+        return [torch.device("cuda", i % gpus) for i in range(local_ranks)]
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The DDP kwargs of the fits and of `wrap`: the run config's, and those of a DDPStrategy in the

@@ -54,6 +54,15 @@ def test_ranks_whose_parameters_differ_but_stay_finite_went_apart() -> None:
     assert "rank 1 goes on with other parameters than rank 0" in verdict
 
 
+def test_a_nan_that_never_reached_the_model_s_output_is_a_skip_not_a_pass() -> None:
+    ranks = world(2, [FINE, FINE, FINE])
+    ranks[-1]["reached"] = False
+    with pytest.raises(pytest.skip.Exception, match="did not reach the model's output"):
+        judge(ranks, 1)
+    ranks[-1]["reached"] = None  # no floating-point output to read (a training_step that returned None): judged
+    assert judge(ranks, 1) == ""
+
+
 def test_the_poison_never_striking_is_a_skip() -> None:
     with pytest.raises(pytest.skip.Exception, match="no loss could be made non-finite"):
         judge([rank([FINE]), rank([FINE])], 1)

@@ -208,3 +208,13 @@ def test_a_fit_builds_the_module_once_and_reads_the_strategy_off_that_build(tmp_
     with pytest.raises(Stop):
         lit.fit(1)
     assert len(builds) == 1
+
+
+def test_in_a_world_of_one_the_strategy_s_one_device_is_the_rank_s_own_gpu(tmp_path):
+    """A check's single-process reference runs on every rank as rank 0 of 1: its one device must be the GPU
+    that rank trains on (rank 1's cuda:1), not cuda:0, where a step reading the strategy's root device would
+    put its tensors. Read without touching a GPU."""
+    lit = LightningAdapter(LightningParts(spec="lightning:t.py:make", label="make", factory=lambda: Tiny()))
+    lit.setup(RunConfig(), RankContext(rank=0, local_rank=0, world_size=1, backend="gloo", device="cuda:1",
+                                       workdir=tmp_path))
+    assert lit.parallel_devices() == [torch.device("cuda", 1)]
