@@ -30,6 +30,7 @@ judged would be a finite one.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ from ..runner.parent.verdict import ranks_label
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
 from .support.observe import children, rebuilt, step_digest, unwrapped
-from .support.progress import guarded_fit
+from .support.progress import POLL_SECONDS, guarded_fit, read_all
 
 STEPS = 3
 POISONED_STEP = 2  # not the first: DDP's first iteration is special (bucket rebuild, static graph's first pass)
@@ -136,7 +137,12 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             # what it did is in the recorder
             if ctx.recordings[LABEL].optimizer_steps >= STEPS:
                 raise
-        except AdapterError as exc:  # every rank raised alike: they all stopped, together
+        except AdapterError as exc:
+            # this rank's fit raised, and guarded_fit said so at once: no collective until every rank is known
+            # to have stopped, since the others may still wait in DDP's (they then give the stall verdict)
+            if not _every_rank_raised(ctx):
+                raise ctx.fail(f"{_made(poisoned)}, and {_stopped_alone(ctx.rank)}: {REMEDY}. Rank {ctx.rank}'s "
+                               f"fit raised: {exc}", **figures) from None
             if all_gather(poison.at_micro_batch)[poisoned] is None:
                 raise
             figures["summary"] = f"every rank stops at step {POISONED_STEP}"
@@ -155,6 +161,20 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ctx.fail(verdict, **figures)
     figures["summary"] = f"every rank alike at step {POISONED_STEP}"
     return figures
+
+
+def _every_rank_raised(ctx: CheckContext) -> bool:
+    """Whether every rank's guarded fit ended in an error, read from the ranks' progress files (no collective):
+    waited for as long as a stalled peer is given, since a rank that raises a moment later is stopping too."""
+    deadline = time.monotonic() + 2 * ctx.stall_after
+    directory = ctx.workdir / "progress" / LABEL
+    while True:
+        progress = read_all(directory, ctx.world_size)
+        if all(p is not None and p.stopped for p in progress):
+            return all(p is not None and p.state == "error" for p in progress)
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_SECONDS)
 
 
 def judge(every: list[dict[str, Any]], poisoned: int) -> str:
@@ -208,10 +228,13 @@ def parameter_state(model: Any) -> tuple[bool, str]:
 def _hang(stall: str, rank: int) -> str:
     """What a hung fit says of the poisoned rank: it stopped (its fit raised, or exited) or went on alone."""
     if f"rank {rank} failed with" in stall:
-        return (f"rank {rank} stopped alone while the others wait for it in DDP's collectives (a launcher that "
-                "watches its processes, torchrun, then ends the job; without one they hang until the collective "
-                "times out)")
+        return _stopped_alone(rank)
     return f"the fit hangs: the trainer acted on it on rank {rank} alone"
+
+
+def _stopped_alone(rank: int) -> str:
+    return (f"rank {rank} stopped alone while the others wait for it in DDP's collectives (a launcher that watches "
+            "its processes, torchrun, then ends the job; without one they hang until the collective times out)")
 
 
 def _made(rank: int, module: str = "") -> str:
