@@ -17,6 +17,9 @@ micro-batch of step `POISONED_STEP`: the output of the first module that holds p
 embedding, the first layer) gets NaN added, as a NaN in the batch would make it, so the trainer's own loss,
 and whatever guard reads it inside `training_step` or the loop, sees a NaN. Judged after the fit, from every
 rank's micro-batch count and final parameters (finite, and a digest to compare):
+- that rank's fit raised or exited while the others wait in DDP's collectives: it stopped alone (a
+  launcher that watches its processes ends the job; the raising rank reads the others' progress files, not
+  a collective, to tell this from every rank stopping together);
 - the fit hangs: the trainer acted on it on that rank alone (the stall names who stopped where);
 - the ranks ran different numbers of micro-batches: that rank dropped its batch alone;
 - the ranks end with different parameters: some stepped on it and some did not;
