@@ -172,9 +172,10 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
 
 
 def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, own: Any, batch: GlobalBatch) -> Any:
-    """The single-process run's backward of the whole batch's loss (returned) and of this rank's shard's. A
-    trainer that cannot give a loss there on some rank (NotProvided) is skipped on every rank alike: the ranks
-    that could would otherwise go on to collectives the others never join."""
+    """The single-process run's backward of the whole batch's loss (returned) and of this rank's shard's. Where
+    some rank cannot give a loss there (NotProvided), every rank raises it, with that rank's words, and `run`
+    judges the fit's first step instead on all of them alike: the ranks that could would otherwise go on to
+    collectives the others never join."""
     try:
         with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
             single_loss = single.loss(reference, batch.whole())
