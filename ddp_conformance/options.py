@@ -43,6 +43,7 @@ class Settings:
     config_path: str | None = None
     report_path: str | None = None
     checks: tuple[str, ...] = DEFAULT_CHECKS  # the conformance checks the suite runs, in suite order
+    advise: bool = False  # measure what a setting the config leaves off would give (`--ddp-advise`)
     spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
 
     @property
@@ -122,6 +123,11 @@ def add_options(parser: pytest.Parser) -> None:
         f"{', '.join(OPT_IN)}) and all; default: default.",
     )
     group.addoption(
+        "--ddp-advise", dest="ddp_advise", action="store_true", default=None,
+        help="where the config leaves a setting off, also measure what turning it on would give "
+        "(bucket_view_memory's saving, whether static_graph could be on): more fits.",
+    )
+    group.addoption(
         "--ddp-config", dest="ddp_config", default=None, metavar="PATH",
         help="Lightning-style YAML run config (trainer.strategy, trainer.precision, ...; see docs/adapter.md).",
     )
@@ -131,6 +137,7 @@ def add_options(parser: pytest.Parser) -> None:
     )
     parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
     parser.addini("ddp_checks", "default --ddp-checks", default=None)
+    parser.addini("ddp_advise", "default --ddp-advise", type="bool", default=False)
     parser.addini("ddp_config", "default --ddp-config (relative to the rootdir)", default=None)
     parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
@@ -206,7 +213,9 @@ def read_settings(config: pytest.Config) -> Settings:
     spec_base = config.invocation_params.dir if typed else config.rootpath
     return Settings(world_size=world_size, backend=backend, timeout=timeout, start_timeout=start_timeout,
                     rank_threads=threads, device=device, trainers=trainers, config_path=_path(config, "ddp_config"),
-                    report_path=_path(config, "ddp_report"), checks=_checks(config), spec_base=str(spec_base))
+                    report_path=_path(config, "ddp_report"), checks=_checks(config),
+                    advise=bool(config.getoption("ddp_advise") or config.getini("ddp_advise")),
+                    spec_base=str(spec_base))
 
 
 def _checks(config: pytest.Config) -> tuple[str, ...]:

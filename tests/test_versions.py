@@ -80,7 +80,7 @@ def test_ddp_reports_the_settings_the_checks_read() -> None:
 def test_the_private_torch_apis_the_harness_reads_answer(ddp) -> None:
     """runner/rank/task_runner.py's health check reads the collective sequence number (a failure there is suppressed:
     the pool would lose its out-of-step test), launched.py the default store, checks/support/memory.py DDP's
-    logging data and a gradient's view base."""
+    logging data (gradient_as_bucket_view; observe.py the communication hook) and a gradient's view base."""
     import torch.distributed as dist
 
     world = dist.group.WORLD
@@ -98,3 +98,15 @@ def test_the_private_torch_apis_the_harness_reads_answer(ddp) -> None:
     assert hasattr(model, "_get_ddp_logging_data")  # memory.py takes a model without it for no DDP at all
     assert model._get_ddp_logging_data()["gradient_as_bucket_view"] == 1
     assert all(shares_its_base(p.grad) for p in model.parameters())
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    from ddp_conformance.checks.support.observe import comm_hook_name
+
+    hooked = DistributedDataParallel(torch.nn.Linear(4, 4))
+    assert comm_hook_name(hooked) is None  # bucket_cap_mb_invariance then compares no caps
+    hooked.register_comm_hook(None, fp16_compress_hook)
+    built_in = DistributedDataParallel(torch.nn.Linear(4, 4))
+    built_in._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    assert comm_hook_name(hooked) == "fp16_compress_hook"
+    assert comm_hook_name(built_in) == "BuiltinCommHookType.FP16_COMPRESS"

@@ -74,6 +74,7 @@ class CheckOptions:
     trainer: TrainerSpec  # parsed once in the pytest process; resolved (imported) in each rank
     config: RunConfig  # the `--ddp-config` file, read once in the pytest process
     stall_after: float
+    advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
 
 
 def stall_seconds(timeout: float) -> float:
@@ -101,7 +102,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     try:
         with named(options.trainer.label):
             ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
-                                      Path(workdir), figures)
+                                      Path(workdir), figures, advise=options.advise)
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)
@@ -110,7 +111,9 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
         reason = exc.msg if isinstance(exc, pytest.skip.Exception) else str(exc)
         result = CheckResult(SKIPPED, reason, ctx.finish({}) if ctx is not None else figures)
     finally:
-        if result is None or result.outcome == FAILED:  # an error, or a verdict: the next check fits afresh
+        # after an error of the check's own the process may hold anything; a verdict leaves it as the check's
+        # completed fits did (a fit that raised or hung has already dropped the evidence, in `guarded_fit`)
+        if result is None:
             kept.forget()
     ddp.figures[RESULT_FIGURE] = result.as_figure()
     return result

@@ -19,6 +19,12 @@ second), so the fits run three steps. Their final states (parameters and buffers
 tensor with `gradients.max_delta` (relative to the tensor's largest value) with the state of the
 dropout-free fit other checks share (`shared_fit.steady`), which ran with the config's cap.
 
+Only a communication hook sees a bucket: without one, DDP's reducer divides and all-reduces each bucket
+element by element, so where the boundaries fall changes nothing but the summation order (the
+tolerance below). The fits with other caps therefore run where the fit's DDP reports a hook
+(`observe.comm_hook_name`; a torch whose DDP cannot tell counts as one); without one the check passes
+on the cap reaching DDP, which costs no fit of its own.
+
 Tolerance: `TOLERANCE` of that relative difference. Measured on CPU (gloo), world size 2: 0, every
 tensor bitwise the same whatever the cap (two ranks sum one pair, the same in any order). From three
 ranks gloo's ring sums each element in an order set by its place in the bucket, so another cap is
@@ -83,8 +89,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ctx.fail(f"bucket_cap_mb: {configured:g} never reaches DDP: the DistributedDataParallel the fit builds "
                        f"reports a bucket cap of {_mb(reported)} (is the config's value passed on?)")
     size_mb = max(all_gather(_gradient_mb(record)))
+    hooks = sorted({str(hook) for hook in all_gather(record.ddp.get("comm_hook"))  # type: ignore[union-attr]
+                    if hook is not None})
     figures: dict[str, Any] = {"gradient_mb": round(size_mb, 3), "configured_cap_mb": configured,
-                               "compared_caps_mb": []}
+                               "comm_hook": ", ".join(hooks) or None, "compared_caps_mb": []}
+    if not hooks:
+        figures["summary"] = "no comm hook: caps only regroup"
+        return figures
     worst = (0.0, "", None)
     for cap in caps_to_compare(size_mb, configured):
         state, variant = _fit(ctx, f"bucket-cap-{cap:g}", ctx.adapter(with_strategy(config, bucket_cap_mb=cap)))

@@ -21,6 +21,9 @@ order; measured: docs/checks.md). The static fit's DDP must report the flag.
 The setting judged is the trainer's own: its config after its own `setup` (the `--ddp-config` file,
 or what the trainer made of it).
 
+Where the config leaves it off, the flipped fit runs only under `--ddp-advise` (it is advice, not a
+verdict, and costs a fit); without it the check skips saying so.
+
 Verdicts: where the config sets `static_graph: true`, a fit that raises with it while the fit without
 it trains, or that ends elsewhere, fails, naming the cause (the error's first line; `no_sync` in the
 first iteration where the recorder saw it); a flag that never reaches DDP fails. Where the config
@@ -54,6 +57,7 @@ STEPS = shared_fit.STEADY_STEPS
 #: without raising
 TOLERANCE = 1e-4
 ISSUE_143580 = "https://github.com/pytorch/pytorch/issues/143580"
+ADVICE = "--ddp-advise runs the fit with static_graph=True too, to say whether the model could take it"
 
 
 class _Fit:
@@ -80,6 +84,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if not ctx.takes_config:
         pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: the harness "
                     "cannot set its static_graph")
+    if not configured and not ctx.advise:
+        pytest.skip(f"static_graph is off in the config: nothing to judge ({ADVICE})")
     steady = _steady(ctx)
     flipped = with_strategy(config, static_graph=not configured,
                             **({} if not configured else {"find_unused_parameters": True}))

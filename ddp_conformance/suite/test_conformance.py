@@ -57,7 +57,8 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     unbuilt.skip_if_unbuilt(build, parsed.label)
     unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
-    return CheckOptions(trainer=parsed, config=conformance_config, stall_after=stall_seconds(timeout))
+    return CheckOptions(trainer=parsed, config=conformance_config, stall_after=stall_seconds(timeout),
+                        advise=settings.advise)
 
 
 @pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo

@@ -5,7 +5,8 @@ A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks 
 cannot judge it, with words their reason must contain); a control (`CONTROL`: correct in an unusual
 way) breaks nothing and must only be skipped where it says (the default run asks it the checks its
 `CONCERNS` names, the slow test the rest). The session's config (suite.yaml) turns
-gradient_as_bucket_view on, so bucket_view_memory judges every trainer that honours its config.
+gradient_as_bucket_view on, so bucket_view_memory judges every trainer that honours its config. The
+nested sessions run with `--ddp-advise`, so what a skip for a setting left off says is judged too.
 
 All trainers go through ONE nested pytest session (`--ddp-trainer` repeated): a session per mutant
 would pay a cold rank pool and the ranks' first torch/Lightning imports every time. Its
@@ -136,7 +137,7 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFI
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs", "ddp_conformance.suite",
                "-p", "tests.checks.nested_selection", "--ddp-world-size", "2", "--ddp-timeout", "20",
                "--ddp-config", str(config), "--ddp-report", str(report), f"--junitxml={junit}",
-               "--ddp-checks", "all", *options]
+               "--ddp-checks", "all", "--ddp-advise", *options]
     for spec in dict.fromkeys(spec for spec, _ in pairs):
         command += ["--ddp-trainer", spec]
     env = dict(os.environ, DDP_SELECTED_PAIRS=str(selected),

@@ -10,7 +10,8 @@
 - On (DDP reports it): the gradients must be views into DDP's buckets, and a measured training step
   must hold at least 90% of one gradient copy less than the same step with the flag off; else fail.
 - Claimed by the config but off in DDP: fail ("never reaches DDP"), with the measured figures.
-- Off and not claimed: skipped with the measured saving turning it on would give. For that figure
+- Off and not claimed: skipped; under `--ddp-advise` (the figure is advice, and costs three more
+  runs) with the measured saving turning it on would give. For that figure
   the flag is set through the config; a trainer whose wrap ignores the config is measured with a
   plain `DistributedDataParallel` (its find_unused_parameters and static_graph) around its model
   and train_step, and the notes say so.
@@ -178,6 +179,8 @@ def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | Non
         return "no-ddp", own_run, []
     on = all(flag for _, flag in setting)
     mode = "on" if on else "unhonoured" if declared else "off"
+    if mode == "off" and not ctx.advise:  # the saving is advice, not a verdict: measured on request
+        return mode, own_run, []
     adapters: dict[bool, Any] = {flag: ctx.adapter(_with_flag(config, flag)) for flag in (True, False)}
     # the second warm-up: does the setting the comparison needs (the one the trainer does not use) reach DDP
     # through the config? An unhonoured flag is measured as the trainer builds it, to show what it costs
@@ -214,6 +217,10 @@ def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMem
         if declared:
             raise ctx.fail(f"{problem}, although the config sets gradient_as_bucket_view: true")
         pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
+    setting = "its config sets it false" if declared is False else "its config does not set it"
+    if mode == "off" and not runs:
+        pytest.skip(f"gradient_as_bucket_view is off (the trainer's DDP reports False; {setting}): nothing to judge "
+                    "(--ddp-advise measures what turning it on would save)")
     figures, worst = _figures(ctx, runs)
     saved = (f"{human_bytes(worst['saving'])}, {figures['saved_pct_of_grad_bytes']}% of one gradient copy "
              f"({human_bytes(worst['grad_bytes'])})")
@@ -225,7 +232,6 @@ def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMem
     problems = [p for p in all_gather(next((p for p in mine if p), None)) if p]
     if mode == "off":
         ctx.figures.update(figures, summary=f"off; on saves {figures['saved_pct_of_grad_bytes']}%")
-        setting = "its config sets it false" if declared is False else "its config does not set it"
         but = f"; but with it on: {problems[0]}" if problems else ""
         pytest.skip(f"gradient_as_bucket_view is off (the trainer's DDP reports False; {setting}): turning it on would "
                     f"save {saved} in the measured step, {figures['saved_pct_of_step_peak']}% of its peak{but}")

@@ -69,12 +69,16 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
         pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
     if all(flags):
         fit_keeps_the_views(ctx, flags, views)  # the layout first: a copy made before the step fails here
-    saving, unmeasured = _saving(ctx, grad_bytes, device_type)
     off = [rank for rank, flag in enumerate(flags) if not flag]
+    builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
+    where = "on every rank" if len(off) == len(flags) else f"on rank {off[0] if off else 0}"
+    reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
+    if off and not declared and not ctx.advise:  # the saving is advice, not a verdict: measured on request
+        ctx.figures["summary"] = "off"
+        pytest.skip(f"gradient_as_bucket_view is off ({reports}; the config does not set it): nothing to judge "
+                    "(--ddp-advise measures what turning it on would save)")
+    saving, unmeasured = _saving(ctx, grad_bytes, device_type)
     if off:
-        builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
-        where = "on every rank" if len(off) == len(flags) else f"on rank {off[0]}"
-        reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
         if declared:
             raise ctx.fail(f"gradient_as_bucket_view: true never reaches DDP: the config sets it, but {reports}: the "
                            "fit builds its DDP without the config's value (pass gradient_as_bucket_view=True where "

@@ -63,12 +63,13 @@ class CheckContext:
     trainer_seconds: float = 0.0
     observed_steps: int = 0
     shared: bool = True
+    advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
     began: float = field(default_factory=time.perf_counter)
     _depth: int = 0
 
     @classmethod
     def create(cls, check_id: str, spec: TrainerSpec, config: RunConfig, stall_after: float, ddp: Any,
-               workdir: Path, figures: dict[str, Any]) -> CheckContext:
+               workdir: Path, figures: dict[str, Any], advise: bool = False) -> CheckContext:
         """This rank's context: the SPEC resolved here, the session's config fitted to this group."""
         factory = spec.resolve()
         rank_ctx = RankContext.from_fixture(ddp, workdir)
@@ -78,7 +79,7 @@ class CheckContext:
         shared = shared_directory(workdir / check_id, rank_ctx.rank)
         ctx = cls(check_id=check_id, spec=spec, factory=factory, config=config, rank_ctx=rank_ctx, ddp=ddp,
                   workdir=shared or workdir / check_id, stall_after=stall_after, figures=figures,
-                  shared=shared is not None)
+                  shared=shared is not None, advise=advise)
         ctx.workdir.mkdir(parents=True, exist_ok=True)
         ctx.config_notes = notes
         return ctx

@@ -3,8 +3,10 @@ judge (`checks/support/shared_fit.py`).
 
 Everything is kept under a key that names all it depends on (the SPEC, the config, the group), and
 is reused only when every rank still holds it: a rank that ran the collective fit alone would wait
-in it forever. `forget` drops all of it after a check fails or errs on this rank (`run_check`), and a
-rebuilt pool is fresh processes, which hold nothing. No torch at import: the pytest process imports
+in it forever. `forget` drops all of it where the process may no longer be what a fresh one is: after
+a fit that raised or hung (`guarded_fit`) and after a check's own error (`run_check`). A verdict
+computed from fits that ended normally keeps it: those fits leave the process as passing ones do.
+A rebuilt pool is fresh processes, which hold nothing. No torch at import: the pytest process imports
 this module with `ddp_conformance.checks`.
 """
 
@@ -32,5 +34,5 @@ def kept_or_run(key: tuple[Any, ...], run: Callable[[], _Kept]) -> tuple[_Kept, 
 
 
 def forget() -> None:
-    """Drop everything this rank keeps: after a failure, every check starts afresh."""
+    """Drop everything this rank keeps: every check after this fits afresh."""
     _KEPT.clear()

@@ -74,6 +74,19 @@ TRACED_RNG = 4096  # the RNG state is kept for the first micro-batches, no more 
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
                 "forward_sync_buffers", "bucket_bytes_cap")
 
+#: what `comm_hook_name` says where this torch's DDP does not tell: a hook may be there
+UNKNOWN_HOOK = "unknown"
+
+
+def comm_hook_name(model: DistributedDataParallel) -> str | None:
+    """The communication hook registered on `model` (`register_comm_hook`, a built-in one, or Lightning's
+    `ddp_comm_hook`), by name, or None for DDP's own all-reduce. Read from DDP's logging data (private:
+    tests/test_versions.py fails when it stops answering), which both ways of registering a hook set."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return UNKNOWN_HOOK
+    return logging_data().get("comm_hook") or None
+
 
 @dataclass
 class LoaderPass:
@@ -358,6 +371,8 @@ class FitRecorder:
         if isinstance(model, DistributedDataParallel):
             if record.ddp is None:
                 record.ddp = {name: getattr(model, name, None) for name in DDP_SETTINGS}
+            if record.micro_batches < 2:  # a hook comes before the first backward, so the second forward sees it
+                record.ddp["comm_hook"] = comm_hook_name(model)
             record.synced.append(bool(model.require_backward_grad_sync))
         self._mark_rng(first)
         record.micro_batches += 1

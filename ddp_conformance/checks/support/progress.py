@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...adapter import FitObserver, StepInfo
 from ...runner.parent.process import cpu_seconds
 from ...runner.parent.verdict import ranks_label
+from . import kept
 from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .observe import FitRecord, FitRecorder, ObservedState
 
@@ -245,7 +246,8 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     layers' first micro-batch, and `watch_start` its tensors at the first forward and at its end.
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
-    Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs.
+    Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs. Either
+    way this rank's kept evidence (`kept.py`) is dropped: the next fit starts in a process unlike a fresh one.
     """
     __tracebackhide__ = hide_on_verdict
     directory = ctx.workdir / "progress" / label
@@ -277,8 +279,13 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     thread = threading.Thread(target=target, name=f"ddp-conformance-{label}", daemon=True)
     with ctx.training(steps):
         thread.start()
-        progress = _watch(ctx, observer, thread, steps)
+        try:
+            progress = _watch(ctx, observer, thread, steps)
+        except BaseException:
+            kept.forget()  # a hang: the fit may still run, and the process is not what a fresh one would be
+            raise
     if "error" in box:
+        kept.forget()  # a fit that raised may leave a half-built trainer, RNG or files behind
         raise box["error"]
     return box["result"], progress  # type: ignore[return-value]
 

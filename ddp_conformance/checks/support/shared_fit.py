@@ -21,8 +21,9 @@ Evidence is reused only where it is the same fit (`kept.py` keeps it):
   checkpoint cadence it was planned from, and the group's size, backend and device: another trainer
   or configuration never matches;
 - it lives in this rank's process, so a rebuilt pool (fresh rank processes) starts with none;
-- `kept.forget()` drops all of it after any check fails or errors on this rank (`run_check`), since a
-  failed check may leave the process (RNG, files, a half-built trainer) unlike a fresh one;
+- `kept.forget()` drops all of it after a fit that raised or hung on this rank (`guarded_fit`) and after a
+  check's own error (`run_check`), since those may leave the process (RNG, files, a half-built trainer)
+  unlike a fresh one; a failed verdict from fits that ended normally does not;
 - it is reused only when every rank holds it (gathered): ranks that disagreed would run different
   collectives.
 """

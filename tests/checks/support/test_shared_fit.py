@@ -1,10 +1,11 @@
 """Evidence of a shared fit is reused only where it is the same fit: the same trainer, configuration,
-plan and group, in the same rank processes, with no failure since (`checks/support/shared_fit.py`,
-kept by `checks/support/kept.py`)."""
+plan and group, in the same rank processes, with no fit that raised or hung and no check error since
+(`checks/support/shared_fit.py`, kept by `checks/support/kept.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +43,7 @@ def test_the_key_tells_apart_every_trainer_configuration_plan_and_group() -> Non
     assert len({base, *variants}) == len(variants) + 1
 
 
-def test_held_evidence_is_reused_by_key_and_dropped_after_a_failure() -> None:
+def test_held_evidence_is_reused_by_key_and_dropped_when_forgotten() -> None:
     kept.forget()
     runs: list[str] = []
 
@@ -101,3 +102,61 @@ def test_evidence_lives_in_the_rank_processes_and_every_rank_must_hold_it(pytest
     pytester.makepyfile(TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--basetemp={pytester.path / 'tmp'}")
     result.assert_outcomes(passed=4)
+
+
+GUARDED = """
+import pytest
+from types import SimpleNamespace
+from ddp_conformance.checks.support import kept
+from ddp_conformance.checks.support.check_context import CheckContext, RankContext
+from ddp_conformance.checks.support.progress import guarded_fit
+from ddp_conformance.config import RunConfig
+
+def context(ddp, tmp_path):
+    return CheckContext(check_id="kept", spec="torch", factory=lambda: None, config=RunConfig(),
+                        rank_ctx=RankContext.from_fixture(ddp, tmp_path), ddp=ddp, workdir=tmp_path,
+                        stall_after=2.0, figures=ddp.figures)
+
+def train_one_step():
+    import torch
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+def held():
+    return kept.kept_or_run(("evidence",), lambda: "fresh")[1]
+
+@pytest.mark.ddp(world_size=2)
+def test_a_fit_that_ends_normally_keeps_it(ddp, tmp_path):
+    held()
+    guarded_fit(context(ddp, tmp_path), "fine", 1, lambda observer: train_one_step())
+    assert held()
+
+@pytest.mark.ddp(world_size=2)
+def test_a_fit_that_raises_drops_it(ddp, tmp_path):
+    held()
+    def fails(observer):
+        raise ValueError("the trainer's own error")
+    with pytest.raises(ValueError):
+        guarded_fit(context(ddp, tmp_path), "raises", 1, fails)
+    assert not held()
+"""
+
+
+def test_a_fit_that_raised_drops_the_evidence_and_one_that_ended_normally_keeps_it(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(GUARDED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--basetemp={pytester.path / 'tmp'}")
+    result.assert_outcomes(passed=2)
+
+
+def test_a_failed_verdict_keeps_the_evidence_for_the_next_check(pytester: pytest.Pytester) -> None:
+    """A check that fails from fits that ended normally leaves the process as a passing one does: the
+    next check reads the same probe instead of fitting it again."""
+    mutant = Path(__file__).resolve().parents[3] / "fixtures" / "mutants" / "ckpt_no_rng.py"
+    pytester.runpytest_subprocess(
+        "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider",
+        "--ddp-trainer", f"{mutant}:Trainer", "--ddp-checks", "resume_fidelity,initial_sync",
+        "--ddp-report", "report.json")
+    results = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
+    assert results["resume_fidelity"]["outcome"] == "failed", results["resume_fidelity"]
+    assert results["initial_sync"]["figures"]["shared_fits"] == {"probe": "reused from resume_fidelity"}, results

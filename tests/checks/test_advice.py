@@ -1,0 +1,40 @@
+"""`--ddp-advise` (ini `ddp_advise`): where the config leaves a setting off, what turning it on would give is
+measured only on request. Without it bucket_view_memory and static_graph skip without the runs that measure it;
+with it they say what it would give. The verdict (a skip) is the same either way."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+CHECKS = "bucket_view_memory,static_graph"
+
+
+def results(pytester: pytest.Pytester, *options: str) -> dict[str, dict[str, Any]]:
+    """The two checks on the torch reference with the default config (both settings off), world size 2."""
+    report = pytester.path / "report.json"
+    report.unlink(missing_ok=True)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer",
+                                  "torch", "--ddp-world-size", "2", "--ddp-checks", CHECKS, "--ddp-report",
+                                  str(report), *options)
+    return {r["check"]: r for r in json.loads(report.read_text())["results"]}
+
+
+def test_without_it_a_setting_that_is_off_is_skipped_unmeasured_and_with_it_measured(pytester: pytest.Pytester) -> None:
+    plain = results(pytester)
+    assert {r["outcome"] for r in plain.values()} == {"skipped"}, plain
+    view, static = plain["bucket_view_memory"], plain["static_graph"]
+    assert "gradient_as_bucket_view is off" in view["message"] and "--ddp-advise" in view["message"], view
+    assert view["figures"]["pairs_measured"] == 0 and "saved_pct_of_grad_bytes" not in view["figures"], view
+    assert static["message"].startswith("static_graph is off in the config: nothing to judge (--ddp-advise"), static
+    assert "static_fit" not in static["figures"], static
+
+    pytester.makeini("[pytest]\nddp_advise = true\n")  # the ini mirror
+    advised = results(pytester)
+    assert {r["outcome"] for r in advised.values()} == {"skipped"}, advised
+    view, static = advised["bucket_view_memory"], advised["static_graph"]
+    assert "turning it on would save" in view["message"] and view["figures"]["pairs_measured"] >= 1, view
+    assert "static_graph is off in the config; the model can take it" in static["message"], static
+    assert static["figures"]["static_fit"] == "trained", static
