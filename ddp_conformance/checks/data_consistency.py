@@ -33,7 +33,7 @@ import pytest
 
 from ..adapter import NotProvided
 from ..runner.rank.seeds import fresh_seeds
-from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank
 from .support.model_state import item_digest
 from .support.observe import through_subsets
 from .support.progress import guarded_fit
@@ -126,8 +126,8 @@ def _per_rank_split(everyone: list[dict[str, Any]], rank: int) -> str:
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     try:
-        mine, source = _mine(ctx), "make_dataset"
-    except NotProvided as exc:
+        mine, source = on_every_rank(lambda: _mine(ctx)), "make_dataset"
+    except NotProvided as exc:  # on every rank alike
         if exc.what != "make_dataset":
             raise
         mine, source = _from_the_fit(ctx, exc), f"the fit's training loader (fit({FIT_STEPS}))"

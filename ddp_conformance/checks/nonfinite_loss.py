@@ -45,7 +45,7 @@ from ..runner.parent.verdict import ranks_label
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
 from .support.observe import children, rebuilt, step_digest, unwrapped
-from .support.progress import POLL_SECONDS, guarded_fit, read_all
+from .support.progress import POLL_SECONDS, PeerFitFailed, guarded_fit, read_all
 
 STEPS = 3
 POISONED_STEP = 2  # not the first: DDP's first iteration is special (bucket rebuild, static graph's first pass)
@@ -135,6 +135,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             guarded_fit(ctx, LABEL, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
         except CheckFailed as exc:
             raise ctx.fail(f"{_made(poisoned)}, and {_hang(str(exc), poisoned)}: {REMEDY}. {exc}", **figures) from None
+        except PeerFitFailed as exc:  # this rank's fit ended, that rank's raised after its last collective
+            raise ctx.fail(f"{_made(poisoned)}, and {_stopped_alone(exc.rank)}: {REMEDY}. {exc}", **figures) from None
         except TrainerBuildError:
             # a script's run that its guard left a step short ends as asked but is refused for its count:
             # what it did is in the recorder

@@ -264,9 +264,10 @@ def _at_checkpoint(ctx: CheckContext, observed: ObservedFit, full: TrainState,
     """The shared fit's state right after step k (its recorder's snapshot), as a fit that ended at k
     would return it; what every rank wrote, with the buffer digest and names at k; the RNG state there."""
     snapshot = observed.record.snapshot
-    if snapshot is None:  # the fit never took step k: nothing was checkpointed there either
+    if not all(all_gather(snapshot is not None)):  # the fit never took step k: nothing was checkpointed there
         raise ctx.fail(f"the uninterrupted fit({observed.horizon}) never reached its checkpoint step "
                        f"{observed.checkpoint_step}")
+    assert snapshot is not None
     part = TrainState(params=snapshot.state, optimizer={}, scheduler=None, epoch=0, global_step=snapshot.step,
                       position=0, losses=full.losses[:snapshot.micro_batches], observed=True)
     mine = (digest(buffers(snapshot.state, snapshot.buffer_names)), snapshot.buffer_names)
@@ -302,8 +303,12 @@ def _judged_checkpoint(ctx: CheckContext, written: list[Any], fit: str, figures:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
                     "synchronised: see rank_participation / gradient_equivalence); a rank-0 checkpoint cannot "
                     "resume the other ranks, so resume fidelity cannot be judged")
-    if not checkpoint or not Path(checkpoint).exists():
-        raise ctx.fail(f"no checkpoint file after {fit}: rank 0 reported {checkpoint!r}", **figures)
+    # every rank's own view of rank 0's file (gathered, so that all take one branch): a path outside the shared
+    # directory, or a network filesystem's cache, can hide it from some ranks only
+    seen = all_gather(bool(checkpoint) and Path(checkpoint).exists())
+    if not all(seen):
+        where = "" if not any(seen) else f" on rank {seen.index(False)}"
+        raise ctx.fail(f"no checkpoint file after {fit}{where}: rank 0 reported {checkpoint!r}", **figures)
     figures["checkpoint"] = Path(checkpoint).name
     return Path(checkpoint)
 

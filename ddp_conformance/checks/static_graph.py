@@ -47,7 +47,7 @@ from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdic
 from .support.first_steps import final_floats, own_config, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
-from .support.progress import guarded_fit
+from .support.progress import PeerFitFailed, guarded_fit
 
 #: optimizer steps of each fit: DDP records the graph in the first iteration and relies on it from the second
 STEPS = shared_fit.STEADY_STEPS
@@ -63,7 +63,8 @@ ADVICE = "--ddp-advise runs the fit with static_graph=True too, to say whether t
 class _Fit:
     """One side of the comparison: its final state (None: it raised) and its record."""
 
-    def __init__(self, state: TrainState | None, record: FitRecord | None, error: AdapterError | None) -> None:
+    def __init__(self, state: TrainState | None, record: FitRecord | None,
+                 error: AdapterError | PeerFitFailed | None) -> None:
         self.state, self.record, self.error = state, record, error
 
     @property
@@ -116,7 +117,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 def _steady(ctx: CheckContext) -> _Fit:
     try:
         steady = shared_fit.steady(ctx)
-    except AdapterError as exc:
+    except (AdapterError, PeerFitFailed) as exc:  # the latter: another rank's fit raised, this one's ended
         return _Fit(None, ctx.recordings.get("steady"), exc)
     return _Fit(steady.state, steady.record, None)
 
@@ -124,7 +125,7 @@ def _steady(ctx: CheckContext) -> _Fit:
 def _fit(ctx: CheckContext, label: str, adapter: Any) -> _Fit:
     try:
         state, _ = guarded_fit(ctx, label, STEPS, lambda observer: adapter.fit(STEPS, observer=observer))
-    except AdapterError as exc:
+    except (AdapterError, PeerFitFailed) as exc:  # the latter: another rank's fit raised, this one's ended
         return _Fit(None, ctx.recordings.get(label), exc)
     return _Fit(state, ctx.recordings[label], None)
 

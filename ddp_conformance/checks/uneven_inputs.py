@@ -37,7 +37,7 @@ from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
 from .support.observe import FitRecord, JoinUse, step_digest
-from .support.progress import guarded_fit
+from .support.progress import PeerFitFailed, guarded_fit
 
 #: optimizer steps of the fit on every rank but the last, which is given one fewer
 STEPS = 3
@@ -65,7 +65,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         raise ctx.fail(f"given one optimizer step fewer than the others, rank {short} leaves its fit after step "
                        f"{STEPS - 1} and the other ranks never finish step {STEPS}: {JOIN_REMEDY}. {exc}",
                        **figures) from None
-    except AdapterError as exc:
+    except (AdapterError, PeerFitFailed) as exc:  # the latter on a rank whose fit ended while another's raised
         raise ctx.fail(f"given one optimizer step fewer than the others, rank {short} runs out and the fit raises"
                        f"{_throws(joins)}: {exc}", **figures) from None
     assert isinstance(state, TrainState)

@@ -37,7 +37,7 @@ import torch
 
 from ...adapter import NotProvided
 from ...runner.parent.verdict import ranks_label
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
 from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
 from ..support.model_state import digest, item_digest
 from ..support.observe import unwrapped
@@ -176,23 +176,15 @@ def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, own
     some rank cannot give a loss there (NotProvided), every rank raises it, with that rank's words, and `run`
     judges the fit's first step instead on all of them alike: the ranks that could would otherwise go on to
     collectives the others never join."""
-    try:
+
+    def backward() -> Any:
         with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
             single_loss = single.loss(reference, batch.whole())
             single_loss.backward()
             single.loss(own, batch.shard(0, ctx.rank)).backward()
-    except NotProvided as exc:
-        missing: NotProvided | None = exc
-    else:
-        missing = None
-    reasons = all_gather(str(missing) if missing is not None else None)
-    first = next((r for r, reason in enumerate(reasons) if reason is not None), None)
-    if first is None:
         return single_loss
-    if missing is None:  # this rank's words are the rank that could not
-        missing = NotProvided(single, "loss")
-        missing.args = (reasons[first],)
-    raise missing
+
+    return on_every_rank(backward)
 
 
 def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: float) -> str:

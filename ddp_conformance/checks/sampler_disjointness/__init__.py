@@ -26,7 +26,7 @@ import pytest
 from ...adapter import NotProvided
 from ...trainers.spec import LIGHTNING, SCRIPT
 from ..support import shared_fit
-from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank
 from ..support.observe import dropped_tail
 from ..support.progress import epoch_steps
 from ..support.sampling import analyse, analyse_started_epoch, per_rank_split
@@ -184,12 +184,16 @@ def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: b
 def _helper_epochs(ctx: CheckContext) -> list[list[list[int]]] | None:
     """This rank's batches of `make_loader` for each epoch, or None when the adapter has no helpers."""
     adapter = ctx.adapter()
-    try:
+
+    def epochs() -> list[list[list[int]]]:
         dataset = adapter.make_dataset()
         with ctx.training():
             return [[adapter.batch_indices(batch) for batch in
                      adapter.make_loader(dataset, rank=ctx.rank, world_size=ctx.world_size, epoch=epoch)]
                     for epoch in EPOCHS]
+
+    try:
+        return on_every_rank(epochs)  # a rank whose helper lacked would judge alone
     except NotProvided:
         return None
 

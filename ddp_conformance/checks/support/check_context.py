@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -204,6 +204,9 @@ def shared_directory(mine: Path, rank: int) -> Path | None:
     return theirs if all(visible) else None
 
 
+_Value = TypeVar("_Value")
+
+
 def all_gather(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (collective; pickled objects)."""
     import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
@@ -213,6 +216,25 @@ def all_gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def on_every_rank(call: Callable[[], _Value]) -> _Value:
+    """`call()`'s value where it answered on every rank; where it raised NotProvided on some rank, that
+    NotProvided (the first such rank's words) raised on every rank. Collective: a rank that went on
+    alone (a Lightning probe whose loader gave this rank no batch) would wait in the check's next
+    collective for ranks that took the other branch."""
+    try:
+        value, missing = call(), None
+    except NotProvided as exc:
+        missing = exc
+    reasons = all_gather(None if missing is None else (missing.what, str(missing)))
+    first = next((reason for reason in reasons if reason is not None), None)
+    if first is None:
+        return value
+    if missing is None:  # another rank's words: the same kind of answer, raised here too
+        missing = NotProvided("", first[0])
+        missing.args = (first[1],)
+    raise missing
 
 
 def fmt(value: float) -> str:

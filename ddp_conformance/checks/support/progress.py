@@ -246,8 +246,9 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     layers' first micro-batch, and `watch_start` its tensors at the first forward and at its end.
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
-    Raises the call's own exception when every rank failed alike, `CheckFailed` when it hangs. Either
-    way this rank's kept evidence (`kept.py`) is dropped: the next fit starts in a process unlike a fresh one.
+    Raises the call's own exception on a rank whose fit raised, `PeerFitFailed` on one whose fit ended
+    while another's raised, `CheckFailed` when it hangs. Each way this rank's kept evidence (`kept.py`)
+    is dropped: the next fit starts in a process unlike a fresh one.
     """
     __tracebackhide__ = hide_on_verdict
     directory = ctx.workdir / "progress" / label
@@ -288,6 +289,16 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
         kept.forget()  # a fit that raised may leave a half-built trainer, RNG or files behind
         raise box["error"]
     return box["result"], progress  # type: ignore[return-value]
+
+
+class PeerFitFailed(RuntimeError):
+    """This rank's fit ended, another rank's raised: raised on this rank so that it stops with that one,
+    naming it, instead of going on to a collective that rank never joins."""
+
+    def __init__(self, peer: Progress) -> None:
+        super().__init__(f"rank {peer.rank}'s fit raised {peer.error} after {peer.finished} micro-batch(es), "
+                         "while this rank's fit ended")
+        self.rank = peer.rank
 
 
 class RunnableBeat:
@@ -362,6 +373,11 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
                                       or all(p is not None and p.stopped for p in progress)):
             # a fit that raised is reported with its own error at once; the ranks it leaves waiting
             # say so themselves (FAILED_PEER_STALL), before the runner counts them as stuck
+            failed = [p for p in progress if p is not None and p.state == "error"]
+            if observer.progress.state != "error" and failed:
+                # a peer raised after the fit's last collective: going on would take this rank alone into
+                # the check's next collective, where it would wait for a rank that never comes
+                raise PeerFitFailed(failed[0])
             return [p for p in progress if p is not None]
         if not thread.is_alive():  # join returns at once now: without a pause this loop would spin a core
             time.sleep(POLL_SECONDS)

@@ -560,3 +560,31 @@ def test_a_recompute_is_refused_when_make_dataset_is_not_what_the_fit_s_loader_y
     assert not _fed_other_items(adapter, data, first(2, 3), sampled)  # fetched one ahead, as Lightning does
     redrawn = [torch.randn(2) for _ in data]  # the same indices, data built again
     assert _fed_other_items(adapter, redrawn, first(1, 2), sampled)
+
+
+@pytest.mark.ddp(world_size=2)
+def test_a_rank_whose_fit_ended_while_another_s_raised_stops_with_it(ddp, tmp_path):
+    """Rank 1's fit raises after the fit's last collective (its own code at the end of the fit) while
+    rank 0's ends: rank 0 must not go on to the check's next collective alone, where it would wait for
+    rank 1 until the test's timeout. It raises too, naming rank 1's error."""
+    import time
+
+    import torch.distributed as dist
+
+    from ddp_conformance.checks.support.progress import PeerFitFailed, guarded_fit
+
+    def fit(observer):
+        _train_one_step()
+        if ddp.rank == 1:
+            raise ValueError("the trainer's own error at the end of its fit")
+
+    ctx = _context(ddp, tmp_path, stall_after=5.0)
+    began = time.monotonic()
+    expected = ValueError if ddp.rank == 1 else PeerFitFailed
+    with pytest.raises(expected) as raised:
+        guarded_fit(ctx, "ends-apart", 1, fit)
+    assert time.monotonic() - began < 5.0  # at once, not after a stall
+    if ddp.rank == 0:
+        assert raised.value.rank == 1
+        assert "ValueError: the trainer's own error at the end of its fit" in str(raised.value)
+    dist.barrier()  # both ranks are here: nothing is left waiting
