@@ -146,12 +146,15 @@ def _epoch_steps(ctx: CheckContext, probe: FitRecord) -> int:
     adapter = ctx.adapter()
     try:
         loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
-        batches = len(loader)
+        batches: int | None = len(loader)
     except (NotProvided, TypeError):
+        batches = None
+    lengths = all_gather(batches)  # one plan on every rank: ranks that planned other k and n would fit apart
+    if None in lengths:
         ctx.note(f"epoch length unknown (the fit's loader and make_loader have no length): assumed "
                  f"{FALLBACK_EPOCH_STEPS} steps")
         return FALLBACK_EPOCH_STEPS
-    return max(1, math.ceil(batches / ctx.config.trainer.accumulate_grad_batches))
+    return max(1, math.ceil(max(lengths) / ctx.config.trainer.accumulate_grad_batches))
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
