@@ -48,6 +48,7 @@ from ..support.check_context import CheckContext, all_gather, hide_on_verdict, h
 from ..support.memory import StepMemory, heap_counter, measure_step
 from .fit_memory import judge_the_fit
 from .grad_views import (
+    ADVICE,
     MIN_GRAD_BYTES,
     PAIRS,
     REQUIRED_SAVING,
@@ -219,8 +220,7 @@ def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMem
         pytest.skip(f"{problem}; nothing to measure (rank_participation judges the wrapping)")
     setting = "its config sets it false" if declared is False else "its config does not set it"
     if mode == "off" and not runs:
-        pytest.skip(f"gradient_as_bucket_view is off (the trainer's DDP reports False; {setting}): nothing to judge "
-                    "(--ddp-advise measures what turning it on would save)")
+        pytest.skip(f"gradient_as_bucket_view is off (the trainer's DDP reports False; {setting}): {ADVICE}")
     figures, worst = _figures(ctx, runs)
     saved = (f"{human_bytes(worst['saving'])}, {figures['saved_pct_of_grad_bytes']}% of one gradient copy "
              f"({human_bytes(worst['grad_bytes'])})")

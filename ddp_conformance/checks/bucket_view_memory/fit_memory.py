@@ -37,7 +37,16 @@ from ..support.check_context import CheckContext, all_gather, hide_on_verdict, h
 from ..support.memory import heap_counter, settle
 from ..support.observe import ddp_argument_forced
 from ..support.progress import guarded_fit
-from .grad_views import MIN_GRAD_BYTES, PAIRS, STEPS, fit_keeps_the_views, gradient_bytes, saving_problem, within_noise
+from .grad_views import (
+    ADVICE,
+    MIN_GRAD_BYTES,
+    PAIRS,
+    STEPS,
+    fit_keeps_the_views,
+    gradient_bytes,
+    saving_problem,
+    within_noise,
+)
 
 WARM_UPS = 1  # measured runs discarded before the pairs: the first forced run pays one-off allocations
 
@@ -70,13 +79,13 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     if all(flags):
         fit_keeps_the_views(ctx, flags, views)  # the layout first: a copy made before the step fails here
     off = [rank for rank, flag in enumerate(flags) if not flag]
-    builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
-    where = "on every rank" if len(off) == len(flags) else f"on rank {off[0] if off else 0}"
-    reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
-    if off and not declared and not ctx.advise:  # the saving is advice, not a verdict: measured on request
-        ctx.figures["summary"] = "off"
-        pytest.skip(f"gradient_as_bucket_view is off ({reports}; the config does not set it): nothing to judge "
-                    "(--ddp-advise measures what turning it on would save)")
+    if off:
+        builder = "the script's own" if ctx.spec.kind == SCRIPT else "the trainer's fit's own"
+        where = "on every rank" if len(off) == len(flags) else f"on rank {off[0]}"
+        reports = f"{builder} DistributedDataParallel reports gradient_as_bucket_view=False {where}"
+        if not declared and not ctx.advise:  # the saving is advice, not a verdict: measured on request
+            ctx.figures["summary"] = "off"
+            pytest.skip(f"gradient_as_bucket_view is off ({reports}; the config does not set it): {ADVICE}")
     saving, unmeasured = _saving(ctx, grad_bytes, device_type)
     if off:
         if declared:

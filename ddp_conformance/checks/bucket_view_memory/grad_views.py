@@ -12,6 +12,8 @@ MIN_GRAD_BYTES = 1 << 20
 REQUIRED_SAVING = 0.9
 STEPS = 3  # as in docs/ddp-facts.md: grads are views only after the first step, buckets rebuilt after it
 PAIRS = 3  # (off, on) pairs after the two warm-up runs; the median pair is judged, robust to one stray allocation
+#: what a skip for a flag left off says instead of the saving, which is advice and measured on request
+ADVICE = "nothing to judge (--ddp-advise measures what turning it on would save)"
 
 
 def gradient_bytes(model: Any) -> int:

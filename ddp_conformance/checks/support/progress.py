@@ -283,7 +283,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
         try:
             progress = _watch(ctx, observer, thread, steps)
         except BaseException:
-            kept.forget()  # a hang: the fit may still run, and the process is not what a fresh one would be
+            kept.forget()  # a hang (the fit may still run) or a peer's error: the process is not a fresh one's
             raise
     if "error" in box:
         kept.forget()  # a fit that raised may leave a half-built trainer, RNG or files behind

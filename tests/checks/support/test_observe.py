@@ -588,3 +588,37 @@ def test_a_rank_whose_fit_ended_while_another_s_raised_stops_with_it(ddp, tmp_pa
         assert raised.value.rank == 1
         assert "ValueError: the trainer's own error at the end of its fit" in str(raised.value)
     dist.barrier()  # both ranks are here: nothing is left waiting
+
+
+def _held() -> bool:
+    """Whether this rank still holds the kept evidence the tests below put there (collective)."""
+    from ddp_conformance.checks.support import kept
+
+    return kept.kept_or_run(("guarded-fit-evidence",), lambda: "fresh")[1]
+
+
+@pytest.mark.ddp(world_size=2)
+def test_a_fit_that_ends_normally_keeps_the_kept_evidence(ddp, tmp_path):
+    from ddp_conformance.checks.support import kept
+    from ddp_conformance.checks.support.progress import guarded_fit
+
+    _held()
+    guarded_fit(_context(ddp, tmp_path, stall_after=2.0), "fine", 1, lambda observer: _train_one_step())
+    assert _held()
+    kept.forget()
+
+
+@pytest.mark.ddp(world_size=2)
+def test_a_fit_that_raises_drops_the_kept_evidence(ddp, tmp_path):
+    """A fit that raised may leave a half-built trainer, RNG or files behind: the next fit starts afresh."""
+    from ddp_conformance.checks.support import kept
+    from ddp_conformance.checks.support.progress import guarded_fit
+
+    def fails(observer):
+        raise ValueError("the trainer's own error")
+
+    _held()
+    with pytest.raises(ValueError):
+        guarded_fit(_context(ddp, tmp_path, stall_after=2.0), "raises", 1, fails)
+    assert not _held()
+    kept.forget()

@@ -104,51 +104,6 @@ def test_evidence_lives_in_the_rank_processes_and_every_rank_must_hold_it(pytest
     result.assert_outcomes(passed=4)
 
 
-GUARDED = """
-import pytest
-from types import SimpleNamespace
-from ddp_conformance.checks.support import kept
-from ddp_conformance.checks.support.check_context import CheckContext, RankContext
-from ddp_conformance.checks.support.progress import guarded_fit
-from ddp_conformance.config import RunConfig
-
-def context(ddp, tmp_path):
-    return CheckContext(check_id="kept", spec="torch", factory=lambda: None, config=RunConfig(),
-                        rank_ctx=RankContext.from_fixture(ddp, tmp_path), ddp=ddp, workdir=tmp_path,
-                        stall_after=2.0, figures=ddp.figures)
-
-def train_one_step():
-    import torch
-    model = torch.nn.Linear(2, 1)
-    model(torch.ones(1, 2)).sum().backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
-
-def held():
-    return kept.kept_or_run(("evidence",), lambda: "fresh")[1]
-
-@pytest.mark.ddp(world_size=2)
-def test_a_fit_that_ends_normally_keeps_it(ddp, tmp_path):
-    held()
-    guarded_fit(context(ddp, tmp_path), "fine", 1, lambda observer: train_one_step())
-    assert held()
-
-@pytest.mark.ddp(world_size=2)
-def test_a_fit_that_raises_drops_it(ddp, tmp_path):
-    held()
-    def fails(observer):
-        raise ValueError("the trainer's own error")
-    with pytest.raises(ValueError):
-        guarded_fit(context(ddp, tmp_path), "raises", 1, fails)
-    assert not held()
-"""
-
-
-def test_a_fit_that_raised_drops_the_evidence_and_one_that_ended_normally_keeps_it(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(GUARDED)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--basetemp={pytester.path / 'tmp'}")
-    result.assert_outcomes(passed=2)
-
-
 def test_a_failed_verdict_keeps_the_evidence_for_the_next_check(pytester: pytest.Pytester) -> None:
     """A check that fails from fits that ended normally leaves the process as a passing one does: the
     next check reads the same probe instead of fitting it again."""
