@@ -127,6 +127,14 @@ class FitObserver:
     def after_step(self, info: StepInfo) -> None:
         """Called after the backward (and anything the trainer does after it) of each micro-batch."""
 
+    def stop_requested(self) -> bool:
+        """Asked by a fit that can end early, after a micro-batch that ended with an optimizer step:
+        True once the check has what it watches the fit for (a diagnosis that has its answer), so
+        the fit may end there, as at its last step. A fit that never asks runs to its end, which is
+        always right; one that asks must ask at the same micro-batches on every rank (an answer may
+        be gathered from all of them)."""
+        return False
+
 
 @dataclass
 class TrainState:

@@ -1,7 +1,8 @@
 """rank_participation: every rank runs the same number (> 0) of forward/backward steps and takes part
 in the gradient all-reduce.
 
-Evidence, all from one short fit of the trainer (`fit(STEPS)`):
+Evidence, all from one short fit of the trainer (`fit(STEPS)`): where the config has no dropout, the
+dropout-free fit other checks share (`shared_fit.steady`), which is then the configured fit:
 - steps: counted per rank from the fit's own forwards (`observe.FitRecorder`), written to progress
   files outside the process group (`progress.py`), so a rank that stops training is named with the
   step where it stopped even though the others hang in the all-reduce;
@@ -28,34 +29,32 @@ import pytest
 
 from ..adapter import TrainState
 from ..runner.parent.verdict import ranks_label
+from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .support.model_state import OUTSIDE, digest, drifted, parameters, trained
-from .support.progress import guarded_fit
+from .support.model_state import OUTSIDE, drifted, trained
+from .support.observe import FitRecord
+from .support.progress import Progress, guarded_fit
 from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
-STEPS = 4
+STEPS = shared_fit.STEADY_STEPS
 
 
-class _Capture(TrainingEvidence):
-    """Remembers the parameter names of the model the trainer trains, this rank's losses, and
-    whether the fit trained at all (`TrainingEvidence`)."""
+def _fit(ctx: CheckContext) -> tuple[TrainState, list[Progress], FitRecord | None, list[str] | None]:
+    """The configured fit of STEPS: its final state on this rank, every rank's progress (with
+    `TrainingEvidence.figures`), its record, and the parameter names of the model it trains."""
+    if shared_fit.steady_config(ctx) is ctx.config:
+        steady = shared_fit.steady(ctx)
+        return steady.state, steady.progress, steady.record, steady.names
+    adapter, capture = ctx.adapter(), TrainingEvidence()
+    state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs), inner=capture,
+                                  extra=lambda state: capture.figures(state, ctx.recordings.get("fit")))
+    return state, progress, ctx.recordings.get("fit"), capture.names
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     ctx.require_shared_workdir()
-    adapter = ctx.adapter()
-    capture = _Capture()
-
-    def extra(state: TrainState) -> dict[str, Any]:
-        record = ctx.recordings.get("fit")
-        return {"global_step": state.global_step, "digest": digest(parameters(state.params, capture.names)),
-                "outside": record.outside_digests() if record is not None else {},
-                "losses": capture.losses, "evidence": capture.summary(state, record),
-                "bypassed_ddp": record.bypassed_ddp if record is not None else False}
-
-    state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs),
-                                  inner=capture, extra=extra)
+    state, progress, record, names = _fit(ctx)
     micro = [p.finished for p in progress]
     steps = [p.extra.get("global_step") for p in progress]
     wrapped, is_ddp = progress[0].wrapped_type or "unknown", progress[0].is_ddp
@@ -85,7 +84,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                  f"(rank-local by design, a model-parallel shard?), so they are not compared ({local[0]})")
     figures["params_identical"] = len(digests) == 1 and not drift
     if not figures["params_identical"]:
-        mine = trained(state.params, ctx.recordings.get("fit"), capture.names, drift)
+        mine = trained(state.params, record, names, drift)
         bypassed = any(p.extra.get("bypassed_ddp") for p in progress)
         raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0], bypassed), **figures)
     evidence = [p.extra.get("evidence") for p in progress]

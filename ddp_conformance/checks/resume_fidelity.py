@@ -47,13 +47,15 @@ micro-batch began with, against the uninterrupted run's after step k: a fresh fi
 start); one that follows the state the process had before the resume, or one the trainer sets on
 start whatever that was (told apart by one more resume with the RNG as it was at the checkpoint);
 every rank's the same although fresh fits give each its own (rank 0's restored everywhere). That
-second resume also tells the rest: if it matches, the RNG state is what is lost; if it is fed the
-same inputs as the uninterrupted run and nothing else is named, state the checkpoint does not hold
-(an EMA or teacher model, optimizer state outside its state_dict); where the trainer sets its own
-RNG, inputs that differ may follow from it (batches drawn with torch.randint, as nanoGPT's: said as
-such, never a data position); same indices but other inputs: a transform's state; otherwise the
-data position/order is not restored. When the checkpoint is Lightning's, the RNG and data verdicts
-name the remedy this package ships (`ddp_conformance.lightning`): stock Lightning loses both.
+second resume (which ends early once it has parted from the uninterrupted run for good,
+`parting.py`, where the trainer's fit can end early) also tells the rest: if it matches, the RNG
+state is what is lost; if it is fed the same inputs as the uninterrupted run and nothing else is
+named, state the checkpoint does not hold (an EMA or teacher model, optimizer state outside its
+state_dict); where the trainer sets its own RNG, inputs that differ may follow from it (batches
+drawn with torch.randint, as nanoGPT's: said as such, never a data position); same indices but other
+inputs: a transform's state; otherwise the data position/order is not restored. When the checkpoint
+is Lightning's, the RNG and data verdicts name the remedy this package ships
+(`ddp_conformance.lightning`): stock Lightning loses both.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
 from .support.observe import FitRecord, buffer_names
+from .support.parting import StopOnceParted
 from .support.progress import epoch_steps, guarded_fit
 from .support.shared_fit import ObservedFit
 from .support.vacuity import skip_as_vacuous, vacuity_verdict
@@ -193,8 +196,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         checkpoint, n, observer=obs), inner=first, all_inputs=True)
     found = differences(full, resumed, rtol)
     figures["differences"] = len(found)
-    figures["max_abs_delta"] = max((d.delta or 0.0 for d in differences(full, resumed, 0.0) if d.part == "params"),
-                                   default=0.0)
+    figures["max_abs_delta"] = max((d.delta or 0.0 for d in (found if exact else differences(full, resumed, 0.0))
+                                    if d.part == "params"), default=0.0)
     # every decision below is taken from gathered values, so all ranks run the same collectives
     if any(all_gather(bool(found))):
         if part is None:  # the state the shared fit checkpointed, and the RNG as it was there
@@ -567,8 +570,12 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     if rerun:
         restore_rng_state(at_checkpoint)
         label = "resumed-same-rng"
+        parting = _until_parted(ctx, label, k)
         again, _ = guarded_fit(ctx, label, n - k, lambda obs: ctx.adapter(config).resume(
-            checkpoint, n, observer=obs), all_inputs=True)
+            checkpoint, n, observer=obs), inner=parting, all_inputs=True)
+        if parting is not None and parting.decided:
+            ctx.observed_steps -= n - k - ctx.recordings[label].optimizer_steps
+            ctx.figures["second_resume_ended_at_micro_batch"] = ctx.recordings[label].micro_batches
     mine, overrides = _rng_causes(ctx, evidence, ctx.recordings[label].first_rng if rerun else None, k, n,
                                   lightning is not None)
     rng = all_gather(mine)
@@ -632,6 +639,19 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
 
 
 BATCHES_FOLLOW = "the batches after the resume differ too, following the RNG"
+
+
+def _until_parted(ctx: CheckContext, label: str, k: int) -> StopOnceParted | None:
+    """What ends the resume `label` early once it has parted from the uninterrupted run for good (it
+    then neither matches nor was fed alike, whatever it does after); None where the uninterrupted run
+    kept no parameters `parting.STEPS` after the checkpoint on some rank (collective): it runs to the
+    horizon."""
+    full = ctx.recordings["uninterrupted"]
+    if not all(all_gather(full.kept_params is not None)):
+        return None
+    fed = _fed(full)
+    return StopOnceParted(lambda: ctx.recordings.get(label), None if fed is None else fed[_before(ctx, k):],
+                          full.kept_params, tolerance(ctx), _fed, all_gather)
 
 
 def _before(ctx: CheckContext, k: int) -> int:

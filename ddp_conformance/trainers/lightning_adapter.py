@@ -305,6 +305,9 @@ class Recorder(pl.Callback):
             self.adapter.losses.append(value)
         if self.observer is not None and self.info is not None:
             self.observer.after_step(replace(self.info, loss=value))
+            # Lightning's own way to end a fit early (as EarlyStopping does); min_steps/min_epochs still hold
+            if self.info.optimizer_step and self.observer.stop_requested():
+                trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch, position = self.data_position(trainer)

@@ -372,6 +372,8 @@ class TorchTrainer(ReferenceData, TrainerAdapter):
                     self.checkpoint_file = target
                 if step and self.global_step >= steps:
                     break
+                if step and observer is not None and observer.stop_requested():
+                    return self.state()
         return self.state()
 
     def train_micro_batch(self, batch: Any, sync: bool, observer: FitObserver | None) -> None:

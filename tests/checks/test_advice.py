@@ -5,6 +5,7 @@ with it they say what it would give. The verdict (a skip) is the same either way
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,14 +13,19 @@ import pytest
 CHECKS = "bucket_view_memory,static_graph"
 
 
+NOT_WRAPPED = Path(__file__).resolve().parents[2] / "fixtures" / "mutants" / "not_wrapped.py"
+
+
 def results(pytester: pytest.Pytester, *options: str) -> dict[str, dict[str, Any]]:
-    """The two checks on the torch reference with the default config (both settings off), world size 2."""
+    """The two checks on the torch reference with the default config (both settings off), world size 2, and
+    bucket_view_memory on a trainer that never wraps its model (keyed "unwrapped")."""
     report = pytester.path / "report.json"
     report.unlink(missing_ok=True)
     pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer",
-                                  "torch", "--ddp-world-size", "2", "--ddp-checks", CHECKS, "--ddp-report",
-                                  str(report), *options)
-    return {r["check"]: r for r in json.loads(report.read_text())["results"]}
+                                  "torch", "--ddp-trainer", f"{NOT_WRAPPED}:Trainer", "--ddp-world-size", "2",
+                                  "--ddp-checks", CHECKS, "--ddp-report", str(report), *options)
+    found = json.loads(report.read_text())["results"]
+    return {r["check"] if r["spec"] == "torch" else f"unwrapped {r['check']}": r for r in found}
 
 
 def test_without_it_a_setting_that_is_off_is_skipped_unmeasured_and_with_it_measured(pytester: pytest.Pytester) -> None:
@@ -28,6 +34,10 @@ def test_without_it_a_setting_that_is_off_is_skipped_unmeasured_and_with_it_meas
     view, static = plain["bucket_view_memory"], plain["static_graph"]
     assert "gradient_as_bucket_view is off" in view["message"] and "--ddp-advise" in view["message"], view
     assert view["figures"]["pairs_measured"] == 0 and "saved_pct_of_grad_bytes" not in view["figures"], view
+    # the one step of the probe fit (shared), and none measured: the setting is read off wrap
+    assert view["figures"]["observed_steps"] == 1 and view["figures"]["shared_fits"] == {"probe": "ran here"}, view
+    unwrapped = plain["unwrapped bucket_view_memory"]["message"]
+    assert unwrapped.startswith("the model is not wrapped in DistributedDataParallel"), unwrapped
     assert static["message"].startswith("static_graph is off in the config: nothing to judge (--ddp-advise"), static
     assert "static_fit" not in static["figures"], static
 
@@ -38,3 +48,4 @@ def test_without_it_a_setting_that_is_off_is_skipped_unmeasured_and_with_it_meas
     assert "turning it on would save" in view["message"] and view["figures"]["pairs_measured"] >= 1, view
     assert "static_graph is off in the config; the model can take it" in static["message"], static
     assert static["figures"]["static_fit"] == "trained", static
+    assert advised["unwrapped bucket_view_memory"]["message"] == unwrapped  # the same verdict, measured

@@ -105,7 +105,7 @@ def test_a_rank_whose_fit_raised_is_named_with_its_error_and_only_the_waiting_ra
     # the trainer is named as its test id names it (it inherits the reference's own `name = "torch"`)
     assert report[1].startswith("2 of 2 ranks failed: rank 0 failed: AdapterError: trainer fit_raises.MyTrainer: ") \
         and report[1].endswith(
-        "fit raised ModuleNotFoundError: No module named 'a_module_this_machine_lacks' (called as fit(4)); "
+        "fit raised ModuleNotFoundError: No module named 'a_module_this_machine_lacks' (called as fit(3)); "
         "rank 1 failed after it (below)"), text
     assert "training hangs" not in text and "rank 0 stopped" not in text, text
     assert len(report) <= 14, text

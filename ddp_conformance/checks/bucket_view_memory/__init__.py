@@ -45,7 +45,7 @@ from ...adapter import NotProvided
 from ...config import ModelConfig
 from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
-from ..support.memory import StepMemory, heap_counter, measure_step
+from ..support.memory import DdpSetting, StepMemory, ddp_setting, heap_counter, measure_step
 from .fit_memory import judge_the_fit
 from .grad_views import (
     ADVICE,
@@ -132,7 +132,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
     finally:
         gc.unfreeze()
-    ctx.observed_steps += STEPS * (len(runs) + (2 if runs else 1))  # the runs, and the one or two before them
+    ctx.observed_steps += STEPS * (len(runs) + (1 if runs else 0))  # the pairs, and the warm-up before them
     ctx.figures["pairs_measured"] = len(runs) // 2
     views = None
     if mode != "no-ddp":  # decided from every rank's runs: all ranks run the fit, or none
@@ -144,7 +144,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _fit_agrees(ctx: CheckContext, declared: bool | None,
-                own_run: StepMemory) -> tuple[list[bool | None], list[bool | None]] | None:
+                own_run: StepMemory | DdpSetting) -> tuple[list[bool | None], list[bool | None]] | None:
     """Fail when the DDP the trainer's own fit builds has another gradient_as_bucket_view than the
     DDP its `wrap` builds (measured above): the memory judged would not be the fit's. Returns every
     rank's fit flag and whether its first step's gradients were views, for `fit_keeps_the_views`."""
@@ -171,10 +171,20 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
 
 
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,
-                  device_type: str) -> tuple[str, StepMemory, list[StepMemory]]:
+                  device_type: str) -> tuple[str, StepMemory | DdpSetting, list[StepMemory]]:
     """The trainer as configured (its setting), then the off/on pairs: (mode, that run, the pairs).
-    mode: "on" (judged), "unhonoured" (claimed, off in DDP), "off" (measured for the skip), "no-ddp"."""
+    mode: "on" (judged), "unhonoured" (claimed, off in DDP), "off" (measured for the skip), "no-ddp".
+    Where the config claims nothing and no advice is asked for, the setting is read off `wrap` without a
+    step first: off, or no DDP, is then a skip with nothing to measure."""
+    if not declared and not ctx.advise:
+        read = ddp_setting(own)
+        gathered = all_gather((read.is_ddp, bool(read.ddp_flag)))
+        if not all(is_ddp for is_ddp, _ in gathered):
+            return "no-ddp", read, []
+        if not any(flag for _, flag in gathered):
+            return "off", read, []
     own_run = measure_step(own, batch, bool(declared), STEPS, device_type)
+    ctx.observed_steps += STEPS
     setting = all_gather((own_run.is_ddp, bool(own_run.ddp_flag)))
     if not all(is_ddp for is_ddp, _ in setting):
         return "no-ddp", own_run, []
@@ -209,7 +219,7 @@ def _saves_enough(off: StepMemory, on: StepMemory) -> bool:
     return saving_problem(off.footprint - on.footprint, on.grad_bytes) is None
 
 
-def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMemory,
+def _judge(ctx: CheckContext, mode: str, declared: bool | None, own_run: StepMemory | DdpSetting,
            runs: list[StepMemory]) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     if mode == "no-ddp":

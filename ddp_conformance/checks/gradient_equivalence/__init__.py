@@ -141,12 +141,12 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     world of one; fails, naming a cause, where they differ."""
     world, rank = ctx.world_size, ctx.rank
     with world_of_one():
-        reference, own = single.make_model().eval(), single.make_model().eval()
+        reference = single.make_model().eval()
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, batch.shard(0, rank))
-    single_loss = _single_process_backward(ctx, single, reference, own, batch)
-    ddp_g, single_g, own_g = grads_of(wrapped), grads_of(reference), grads_of(own)
+    single_loss = _single_process_backward(ctx, single, reference, batch)
+    ddp_g, single_g = grads_of(wrapped), grads_of(reference)
     name, delta, scale = max_delta(ddp_g, single_g)
     tolerance = rtol * scale
     cause = _scale_cause(adapter, single, batch, float(single_loss.detach())) if delta > tolerance else ""
@@ -156,7 +156,9 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     missing = [n for n, g in ddp_g.items() if g is None and single_g.get(n) is not None]
     accumulate = ctx.config.trainer.accumulate_grad_batches
     left_out: list[int] = []
-    if not all(all_gather(delta <= tolerance)):  # the cause is only asked of gradients that differ somewhere
+    own_g: dict[str, Any] = {}  # the gradient of this rank's shard alone: a cause, asked only of gradients that differ
+    if not all(all_gather(delta <= tolerance)):
+        own_g = _own_shard_backward(ctx, single, batch)
         left_out = [r for r, out in enumerate(all_gather(_left_out(ddp_g, single_g, own_g, rtol, world))) if out]
     vacuous = [v for v in all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))) if v]
     if vacuous:
@@ -171,18 +173,29 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     return wrapped, figures
 
 
-def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, own: Any, batch: GlobalBatch) -> Any:
-    """The single-process run's backward of the whole batch's loss (returned) and of this rank's shard's. Where
-    some rank cannot give a loss there (NotProvided), every rank raises it, with that rank's words, and `run`
-    judges the fit's first step instead on all of them alike: the ranks that could would otherwise go on to
-    collectives the others never join."""
+def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, batch: GlobalBatch) -> Any:
+    """The single-process run's backward of the whole batch's loss (returned). Where some rank cannot give a
+    loss there (NotProvided), every rank raises it, with that rank's words, and `run` judges the fit's first
+    step instead on all of them alike: the ranks that could would otherwise go on to collectives the others
+    never join."""
 
     def backward() -> Any:
         with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
             single_loss = single.loss(reference, batch.whole())
             single_loss.backward()
-            single.loss(own, batch.shard(0, ctx.rank)).backward()
         return single_loss
+
+    return on_every_rank(backward)
+
+
+def _own_shard_backward(ctx: CheckContext, single: Any, batch: GlobalBatch) -> dict[str, Any]:
+    """The single-process gradient of this rank's shard alone (collective, as `_single_process_backward`)."""
+
+    def backward() -> dict[str, Any]:
+        with world_of_one():
+            own = single.make_model().eval()
+            single.loss(own, batch.shard(0, ctx.rank)).backward()
+        return grads_of(own)
 
     return on_every_rank(backward)
 

@@ -84,6 +84,27 @@ class StepMemory:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DdpSetting:
+    """What the trainer's `wrap` builds, read off it without a step."""
+
+    is_ddp: bool
+    ddp_flag: bool | None  # what DDP itself reports (_get_ddp_logging_data), None if not DDP
+    wrapped_type: str
+
+
+def ddp_setting(adapter: Any) -> DdpSetting:
+    """Build the adapter's model and wrap it the trainer's way (collective: DDP broadcasts the
+    parameters), and read the gradient_as_bucket_view DDP reports; nothing is trained or measured."""
+    wrapped = adapter.wrap(adapter.make_model())
+    is_ddp = hasattr(wrapped, "_get_ddp_logging_data")
+    flag = bool(wrapped._get_ddp_logging_data().get("gradient_as_bucket_view")) if is_ddp else None
+    setting = DdpSetting(is_ddp, flag, type(wrapped).__name__)
+    del wrapped
+    gc.collect()
+    return setting
+
+
 def _buckets(logging: dict[str, Any]) -> int:
     """The number of rebuilt buckets DDP reports, 0 while its logger has not recorded them yet
     (it records runtime stats on sampled iterations; the construction-time layout is replaced)."""

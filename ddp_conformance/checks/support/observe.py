@@ -185,6 +185,7 @@ class FitRecord:
     micro_batches: int = 0
     synced: list[bool] = field(default_factory=list)  # per micro-batch of a DDP model
     optimizer_steps: int = 0  # as the trainer counts them: a step a GradScaler skipped counts too
+    iterations: int = 0  # steps of the first optimizer that stepped: one an iteration, however many step
     grad_steps: int = 0  # optimizer steps that found gradients on their parameters
     nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
     # whether this rank's own backward (before DDP averages it with the other ranks') ever gave a
@@ -211,6 +212,9 @@ class FitRecord:
     outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
     first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
     snapshot: StepSnapshot | None = field(default=None, repr=False)  # only when the recorder was asked
+    # with keep_params_at=j: the model's parameters right after optimizer step j (CPU copies, as the trainer names
+    # them): what another fit's parameters at the same step are compared with, within a tolerance
+    kept_params: dict[str, Any] | None = field(default=None, repr=False)
     # with watch_norms: the BatchNorm layers of the model (by name), and what those in training mode did in
     # the first micro-batch (`norm_stats`)
     norm_names: list[str] = field(default_factory=list)
@@ -266,7 +270,8 @@ class FitRecorder:
     def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
                  all_inputs: bool = False, keep_batches: bool = False,
                  on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
-                 digest_steps: bool = False, watch_norms: bool = False, watch_start: bool = False) -> None:
+                 digest_steps: bool = False, watch_norms: bool = False, watch_start: bool = False,
+                 keep_params_at: int | None = None) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
@@ -275,15 +280,16 @@ class FitRecorder:
         optimizer step k (`StepSnapshot`). `digest_steps`: digest the parameters after each of the first
         DIGESTED_STEPS steps (`FitRecord.step_digests`; 9 ms a step for 58 MB of parameters).
         `watch_norms`: record the BatchNorm layers' first micro-batch (`norm_stats.NormWatch`).
-        `watch_start`: digest the model's tensors at its first forward and at the fit's end (`start_state`)."""
+        `watch_start`: digest the model's tensors at its first forward and at the fit's end (`start_state`).
+        `keep_params_at=j`: keep the parameters right after optimizer step j (`FitRecord.kept_params`)."""
         self.record = FitRecord()
+        self._keep_params_at = keep_params_at
         self._watch_start = watch_start
         self._digest_steps = digest_steps
         self._watch_norms = watch_norms
         self._norms: NormWatch | None = None
         self._snapshot_at = snapshot_at
         self._skipped = 0  # optimizer steps a GradScaler skipped, counted in `optimizer_steps` as the trainer counts
-        self._lead_steps = 0  # steps of the first optimizer that stepped: one an iteration, however many step
         self._capture_first_step = first_step
         self._all_inputs = all_inputs
         self._keep_batches = keep_batches and first_step
@@ -525,10 +531,13 @@ class FitRecorder:
         if self._digest_steps and record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
             record.step_digests.append(step_digest([p.detach() for p in record.model.parameters()]))
         if optimizer is record.optimizer:
-            self._lead_steps += 1
-        if self._lead_steps == self._snapshot_at and record.model is not None:
+            record.iterations += 1
+        if record.iterations == self._snapshot_at and record.model is not None:
             # taken again at each optimizer's step of that iteration: the last is where it ends
-            record.snapshot = _snapshot(record, self._lead_steps)
+            record.snapshot = _snapshot(record, record.iterations)
+        if record.iterations == self._keep_params_at and record.model is not None:
+            record.kept_params = {trainer_name(name): p.detach().cpu().clone()
+                                  for name, p in unwrapped(record.model).named_parameters()}
 
     def _take_start(self, model: Any) -> None:
         wrap = None

@@ -13,8 +13,9 @@ reads what the recorder saw.
 The probe also serves the checks that read the fit's start (initial_sync, sync_batchnorm,
 bucket_view_memory's fit flag). A third fit, `steady`, runs `STEADY_STEPS` with dropout 0: the side
 that stays as configured where a check runs the fit again with one setting changed
-(bucket_cap_mb_invariance, static_graph), and the fit whose first optimizer step gradient_equivalence
-recomputes.
+(bucket_cap_mb_invariance, static_graph), the fit whose first optimizer step gradient_equivalence
+recomputes, and, where the config has no dropout (the steady fit is then the configured fit),
+rank_participation's.
 
 Evidence is reused only where it is the same fit (`kept.py` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
@@ -42,13 +43,15 @@ from .check_context import CheckContext
 from .first_steps import without_dropout
 from .kept import kept_or_run
 from .observe import FitRecord
+from .parting import STEPS as PARTING_STEPS
 from .progress import Progress, guarded_fit
 from .vacuity import TrainingEvidence
 
 #: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
 WHOLE_EPOCHS = 3
-#: optimizer steps of the dropout-free fit: DDP buckets by bucket_cap_mb from the second iteration, and with
-#: static_graph relies on the first iteration's graph from the second on
+#: optimizer steps of the dropout-free fit, which is rank_participation's fit too where the config has no
+#: dropout: DDP buckets by bucket_cap_mb from the second iteration, and with static_graph relies on the first
+#: iteration's graph from the second on
 STEADY_STEPS = 3
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
 FORCED_DROPOUT = 0.1
@@ -74,6 +77,8 @@ class Steady:
 
     record: FitRecord  # with its first optimizer step's gradients (`observe.FirstStep`)
     state: TrainState
+    progress: list[Progress]  # every rank's, with `TrainingEvidence.figures` as its extra
+    names: list[str] | None  # the trained model's parameter names (`TrainingEvidence.names`)
     ran_in: str
 
 
@@ -146,11 +151,13 @@ def steady(ctx: CheckContext) -> Steady:
     config = steady_config(ctx)
 
     def run() -> Steady:
-        state, _ = guarded_fit(ctx, "steady", STEADY_STEPS,
-                               lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs), first_step=True,
-                               keep_batches=True)  # what its loader yielded: is make_dataset() what it read?
+        evidence = TrainingEvidence()
+        state, progress = guarded_fit(
+            ctx, "steady", STEADY_STEPS, lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs),
+            inner=evidence, extra=lambda state: evidence.figures(state, ctx.recordings.get("steady")),
+            first_step=True, keep_batches=True)  # what its loader yielded: is make_dataset() what it read?
         assert isinstance(state, TrainState)
-        return Steady(ctx.recordings["steady"], state, ctx.check_id)
+        return Steady(ctx.recordings["steady"], state, progress, evidence.names, ctx.check_id)
 
     held = held_or_run(ctx, "steady", evidence_key(ctx, config, "steady", STEADY_STEPS), run)
     ctx.recordings["steady"] = held.record
@@ -186,7 +193,8 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
         state, progress = guarded_fit(
             ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
                 n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
-            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True)
+            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True,
+            keep_params_at=k + PARTING_STEPS if k + PARTING_STEPS <= n else None)
         return ObservedFit(config, cadence, epoch, k, n, ctx.recordings["uninterrupted"], state, progress,
                            checkpoint_dir, ctx.check_id)
 

@@ -46,6 +46,15 @@ class TrainingEvidence(FitObserver):
             loss = info.loss
             self.losses.append(float(loss.detach() if hasattr(loss, "detach") else loss))  # no autograd warning
 
+    def figures(self, state: TrainState, record: FitRecord | None) -> dict[str, Any]:
+        """What rank_participation reads of every rank's fit (its progress file's `extra`): the optimizer
+        steps, a digest of the final parameters, the digests of the tensors stepped outside the model, the
+        losses, the training evidence (`summary`), and whether the forward bypassed DDP."""
+        return {"global_step": state.global_step, "digest": digest(parameters(state.params, self.names)),
+                "outside": record.outside_digests() if record is not None else {},
+                "losses": self.losses, "evidence": self.summary(state, record),
+                "bypassed_ddp": record.bypassed_ddp if record is not None else False}
+
     def summary(self, state: TrainState | None, record: FitRecord | None) -> dict[str, Any]:
         """What this rank saw, as JSON-able values; `params_changed` is None when unknown."""
         changed = None
