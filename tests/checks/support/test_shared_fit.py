@@ -115,3 +115,24 @@ def test_a_failed_verdict_keeps_the_evidence_for_the_next_check(pytester: pytest
     results = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
     assert results["resume_fidelity"]["outcome"] == "failed", results["resume_fidelity"]
     assert results["initial_sync"]["figures"]["shared_fits"] == {"probe": "reused from resume_fidelity"}, results
+
+
+@pytest.mark.parametrize(("config", "shared"), [(None, True), ("tiny.yaml", False)])
+def test_rank_participation_s_fit_is_the_dropout_free_fit_where_the_config_has_no_dropout(
+        pytester: pytest.Pytester, config: str | None, shared: bool) -> None:
+    """With no dropout in the config the configured fit is the dropout-free one: one fit serves
+    rank_participation and the checks that read the steady fit; with dropout (tiny.yaml) they are two."""
+    options = ["--ddp-config", str(Path(__file__).resolve().parents[3] / "fixtures" / "configs" / config)] \
+        if config else []
+    pytester.runpytest_subprocess(
+        "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "-p", "no:cacheprovider", "--ddp-trainer",
+        "torch", "--ddp-checks", "rank_participation,bucket_cap_mb_invariance", "--ddp-report", "report.json",
+        *options)
+    results = {r["check"]: r for r in json.loads((pytester.path / "report.json").read_text())["results"]}
+    assert results["rank_participation"]["outcome"] == "passed", results["rank_participation"]
+    participation = results["rank_participation"]["figures"].get("shared_fits", {})
+    steady = results["bucket_cap_mb_invariance"]["figures"]["shared_fits"]["steady"]
+    if shared:
+        assert participation == {"steady": "ran here"} and steady == "reused from rank_participation", results
+    else:
+        assert "steady" not in participation and steady == "ran here", results
