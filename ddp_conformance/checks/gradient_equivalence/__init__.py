@@ -1,6 +1,7 @@
 """gradient_equivalence: one DDP step on the ranks' shards of a global batch gives, for every
-parameter, the single-process gradient of the whole global batch; parameters stay identical on all
-ranks over several steps.
+parameter, the single-process gradient of the whole global batch. (That the ranks' parameters stay
+identical step after step is judged on the real fit: rank_participation's fit, and the long fit
+resume_fidelity digests after every step.)
 
 How: every rank takes the same global batch (the dataset's first `world_size * per_rank` items),
 runs the trainer's own `train_step` on its consecutive shard through the trainer's `wrap`, and
@@ -39,8 +40,7 @@ from ...adapter import NotProvided
 from ...runner.parent.verdict import ranks_label
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
 from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
-from ..support.model_state import digest, item_digest
-from ..support.observe import unwrapped
+from ..support.model_state import item_digest
 from ..support.one_world import world_of_one
 from ..support.vacuity import skip_as_vacuous
 from .fit_step import judge_fit_step
@@ -55,13 +55,11 @@ RTOL = {
     "cpu": {"32-true": 1e-5, "bf16-mixed": 2e-2},
     "cuda": {"32-true": 1e-5, "bf16-mixed": 2e-2, "16-mixed": 5e-2},
 }
-EXTRA_STEPS = 3
-SGD_LR = 0.05
 
 
 @dataclass
 class GlobalBatch:
-    """The same global batch on every rank, cut into the ranks' consecutive shards per step."""
+    """The same global batch on every rank, cut into the ranks' consecutive shards."""
 
     adapter: Any
     items: list[Any]
@@ -71,24 +69,24 @@ class GlobalBatch:
     def whole(self) -> Any:
         return self.adapter.collate(self.items[:self.per_rank * self.world])
 
-    def shard(self, step: int, rank: int) -> Any:
-        start = (step * self.world + rank) * self.per_rank
+    def shard(self, rank: int) -> Any:
+        start = rank * self.per_rank
         return self.adapter.collate(self.items[start:start + self.per_rank])
 
 
 def _global_batch(ctx: CheckContext, adapter: Any) -> GlobalBatch:
-    """The dataset's first items, enough for the first step and EXTRA_STEPS more; skips when the ranks'
-    datasets differ (then there is no one global batch to compare DDP's gradient with)."""
+    """The dataset's first items, enough for one global batch; skips when the ranks' datasets differ (then
+    there is no one global batch to compare DDP's gradient with)."""
     # the trainer's own config after its setup: a trainer that sets its own accumulation splits its shard by it,
     # and a shard that does not divide evenly (4 items in 3 micro-batches) averages unequal micro-batches
     config = getattr(adapter, "config", None) or ctx.config
     per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
-    need = per_rank * ctx.world_size * (1 + EXTRA_STEPS)
+    need = per_rank * ctx.world_size
     dataset = adapter.make_dataset(max(need, config.data.size))
     size = _sized(dataset)
     if size is not None and size < need:  # a dataset of its own size (a DataModule's) may hold fewer
-        ctx.note(f"the dataset holds {size} items, fewer than the {need} the check's steps read: it reads "
-                 "them again from the start (any global batch has a single-process gradient)")
+        ctx.note(f"the dataset holds {size} items, fewer than the {need} of one global batch: it reads them "
+                 "again from the start (any global batch has a single-process gradient)")
     items = [dataset[i % size if size else i] for i in range(need)]
     batches = all_gather(item_digest(items))
     if len(set(batches)) > 1:
@@ -117,12 +115,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         batch = _global_batch(ctx, adapter)
         _skip_unmeasured(precision, rtol, measured)
         single = single_process_adapter(ctx) or adapter
-        wrapped, figures = _first_step(ctx, adapter, single, batch, rtol)
+        figures = _first_step(ctx, adapter, single, batch, rtol)
     except NotProvided as missing:  # no pieces to compute a reference with (a script): judged by its run
         _skip_unmeasured(precision, rtol, measured)
         assert rtol is not None
         return judge_script_step(ctx, adapter, rtol, missing)
-    _more_steps(ctx, adapter, batch, wrapped, figures)
     judge_fit_step(ctx, single, rtol, figures)
     figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
     return figures
@@ -135,7 +132,7 @@ def _skip_unmeasured(precision: str, rtol: float | None, measured: dict[str, flo
 
 
 def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch,
-                rtol: float) -> tuple[Any, dict[str, Any]]:
+                rtol: float) -> dict[str, Any]:
     """The trainer's DDP step on this rank's shard against the single-process gradient of the
     global batch (and of the shard alone), both computed by `single`, the trainer as set up in a
     world of one; fails, naming a cause, where they differ."""
@@ -144,7 +141,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
         reference = single.make_model().eval()
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
-        adapter.train_step(wrapped, batch.shard(0, rank))
+        adapter.train_step(wrapped, batch.shard(rank))
     single_loss = _single_process_backward(ctx, single, reference, batch)
     ddp_g, single_g = grads_of(wrapped), grads_of(reference)
     name, delta, scale = max_delta(ddp_g, single_g)
@@ -170,7 +167,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
         raise ctx.fail(failing[0], **figures)
     if delta > tolerance:
         ctx.note(f"the DDP step's gradients are {clipping(ddp_g, single_g, rtol)}")
-    return wrapped, figures
+    return figures
 
 
 def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, batch: GlobalBatch) -> Any:
@@ -194,7 +191,7 @@ def _own_shard_backward(ctx: CheckContext, single: Any, batch: GlobalBatch) -> d
     def backward() -> dict[str, Any]:
         with world_of_one():
             own = single.make_model().eval()
-            single.loss(own, batch.shard(0, ctx.rank)).backward()
+            single.loss(own, batch.shard(ctx.rank)).backward()
         return grads_of(own)
 
     return on_every_rank(backward)
@@ -213,39 +210,12 @@ def _scale_cause(adapter: Any, single: Any, batch: GlobalBatch, single_loss: flo
             return "divided"
         with world_of_one():
             model = single.make_model().eval()
-            shards = [float(single.loss(model, batch.shard(0, r))) for r in range(batch.world)]
+            shards = [float(single.loss(model, batch.shard(r))) for r in range(batch.world)]
     if abs(sum(shards) - single_loss) <= close:
         return "summed"
     if abs(sum(shards) / len(shards) - single_loss) <= close:
         return "mean"
     return ""
-
-
-def _more_steps(ctx: CheckContext, adapter: Any, batch: GlobalBatch, wrapped: Any, figures: dict[str, Any]) -> None:
-    """EXTRA_STEPS more: the trainer's train_step on fresh shards, the same plain SGD update
-    everywhere; the ranks' parameters must stay identical."""
-
-    wrapped.train()
-    with ctx.training(EXTRA_STEPS):
-        for step in range(1, 1 + EXTRA_STEPS):
-            for p in wrapped.parameters():
-                p.grad = None
-            adapter.train_step(wrapped, batch.shard(step, ctx.rank))
-            with torch.no_grad():
-                for p in wrapped.parameters():
-                    if p.grad is not None:
-                        p.add_(p.grad, alpha=-SGD_LR)
-    params = {n: p.detach().cpu() for n, p in unwrapped(wrapped).named_parameters()}
-    spread = (0.0, "")
-    if len(set(all_gather(digest(params)))) > 1:  # the tensors themselves cross ranks only when they differ
-        everyone = all_gather(params)
-        spread = max((float((everyone[0][n].double() - other[n].double()).abs().max()), n)
-                     for other in everyone[1:] for n in params)
-    figures["params_max_spread_after_steps"] = spread[0]
-    if spread[0] != 0.0:
-        raise ctx.fail(f"parameters differ between ranks after {EXTRA_STEPS} more steps ({spread[1]} max |delta| "
-                       f"{fmt(spread[0])}) although the first step's gradients matched: something after backward "
-                       "changes gradients per rank", **figures)
 
 
 def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float) -> str:
