@@ -38,7 +38,7 @@ import torch
 
 from ...adapter import NotProvided
 from ...runner.parent.verdict import ranks_label
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
+from ..support.check_context import CheckContext, all_gather, fmt, from_rank_zero, hide_on_verdict, on_every_rank
 from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
 from ..support.model_state import item_digest
 from ..support.one_world import world_of_one
@@ -137,16 +137,14 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     global batch (and of the shard alone), both computed by `single`, the trainer as set up in a
     world of one; fails, naming a cause, where they differ."""
     world, rank = ctx.world_size, ctx.rank
-    with world_of_one():
-        reference = single.make_model().eval()
     with ctx.training(1):
         wrapped = adapter.wrap(adapter.make_model().eval())
         adapter.train_step(wrapped, batch.shard(rank))
-    single_loss = _single_process_backward(ctx, single, reference, batch)
-    ddp_g, single_g = grads_of(wrapped), grads_of(reference)
+    single_g, single_loss = _single_process_gradient(ctx, single, batch, alone=single is not adapter)
+    ddp_g = grads_of(wrapped)
     name, delta, scale = max_delta(ddp_g, single_g)
     tolerance = rtol * scale
-    cause = _scale_cause(adapter, single, batch, float(single_loss.detach())) if delta > tolerance else ""
+    cause = _scale_cause(adapter, single, batch, single_loss) if delta > tolerance else ""
     figures: dict[str, Any] = {"precision": ctx.config.trainer.precision, "rtol": rtol,
                                "per_rank_batch": batch.per_rank, "worst_parameter": name, "max_abs_delta": delta,
                                "tolerance": tolerance, "max_rel_delta": delta / scale if scale else 0.0}
@@ -157,7 +155,7 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     if not all(all_gather(delta <= tolerance)):
         own_g = _own_shard_backward(ctx, single, batch)
         left_out = [r for r, out in enumerate(all_gather(_left_out(ddp_g, single_g, own_g, rtol, world))) if out]
-    vacuous = [v for v in all_gather(_vacuous(ddp_g, single_g, float(single_loss.detach()))) if v]
+    vacuous = [v for v in all_gather(_vacuous(ddp_g, single_g, single_loss)) if v]
     if vacuous:
         skip_as_vacuous(vacuous[0])
     verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
@@ -170,23 +168,32 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     return figures
 
 
-def _single_process_backward(ctx: CheckContext, single: Any, reference: Any, batch: GlobalBatch) -> Any:
-    """The single-process run's backward of the whole batch's loss (returned). Where some rank cannot give a
-    loss there (NotProvided), every rank raises it, with that rank's words, and `run` judges the fit's first
-    step instead on all of them alike: the ranks that could would otherwise go on to collectives the others
-    never join."""
+def _single_process_gradient(ctx: CheckContext, single: Any, batch: GlobalBatch,
+                             alone: bool) -> tuple[dict[str, Any], float]:
+    """The single-process run's gradient of the whole batch's loss (by name) and that loss. `alone` (`single`
+    is an adapter of its own, set up in a world of one): rank 0 computes it and hands it to every rank, since
+    each rank's would be the same computation on the same items (`_global_batch`), and ranks sharing cores
+    paid it world-size times. Where some rank cannot give a loss there (NotProvided), every rank raises it,
+    with that rank's words, and `run` judges the fit's first step instead on all of them alike: the ranks
+    that could would otherwise go on to collectives the others never join."""
 
-    def backward() -> Any:
+    def backward() -> tuple[dict[str, Any], float] | None:
+        if alone and ctx.rank != 0:
+            return None
         with world_of_one():  # the single-process run: whatever the trainer reads of the world says 1 rank
+            reference = single.make_model().eval()
             single_loss = single.loss(reference, batch.whole())
             single_loss.backward()
-        return single_loss
+        return grads_of(reference), float(single_loss.detach())
 
-    return on_every_rank(backward)
+    mine = on_every_rank(backward)
+    gradient = from_rank_zero(mine) if alone else mine
+    assert gradient is not None
+    return gradient
 
 
 def _own_shard_backward(ctx: CheckContext, single: Any, batch: GlobalBatch) -> dict[str, Any]:
-    """The single-process gradient of this rank's shard alone (collective, as `_single_process_backward`)."""
+    """The single-process gradient of this rank's shard alone (collective, as `_single_process_gradient`)."""
 
     def backward() -> dict[str, Any]:
         with world_of_one():

@@ -197,9 +197,7 @@ def shared_directory(mine: Path, rank: int) -> Path | None:
     if rank == 0:
         mine.mkdir(parents=True, exist_ok=True)
         (mine / ".rank0").write_text("")
-    box: list[Any] = [str(mine)]
-    dist.broadcast_object_list(box, src=0)
-    theirs = Path(box[0])
+    theirs = Path(from_rank_zero(str(mine)))
     visible = all_gather((theirs / ".rank0").is_file())
     return theirs if all(visible) else None
 
@@ -216,6 +214,17 @@ def all_gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def from_rank_zero(value: _Value) -> _Value:
+    """Rank 0's `value` on every rank (collective; pickled)."""
+    import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def on_every_rank(call: Callable[[], _Value]) -> _Value:

@@ -1,7 +1,7 @@
 """Gradients compared the way gradient_equivalence compares them: per parameter, on the CPU (float32 or
-wider; sums over a whole model in float64), relative to the single-process gradient's largest value, with the least-squares scale between
-two sets (a bug that scales every gradient alike reads as one number: 1/world, world...), and the
-single-process side computed as in a world of one process.
+wider; sums over a whole model in float64), relative to the single-process gradient's largest value,
+with the least-squares scale between two sets (a bug that scales every gradient alike reads as one
+number: 1/world, world...), and the single-process side computed as in a world of one process.
 """
 
 from __future__ import annotations
