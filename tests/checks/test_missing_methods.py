@@ -58,6 +58,7 @@ from ddp_conformance.trainers.torch_ref import TorchTrainer
 class Trainer(TorchTrainer):
     name = "one-rank-cannot"
     real_rank = None  # the rank this process has in the real group, seen at its first setup
+    cannot = 0  # the rank whose single-process loss cannot be computed
 
     def setup(self, config, ctx):
         if Trainer.real_rank is None:
@@ -65,21 +66,29 @@ class Trainer(TorchTrainer):
         super().setup(config, ctx)
 
     def loss(self, model, batch):
-        if self.ctx.world_size == 1 and Trainer.real_rank == 1:
+        if self.ctx.world_size == 1 and Trainer.real_rank == self.cannot:
             raise NotProvided(self, "loss", "this rank's single-process loss reads files only rank 0 has")
         return super().loss(model, batch)
 """
 
 
-def test_a_reference_only_some_ranks_cannot_compute_is_not_computed_on_any(pytester: pytest.Pytester) -> None:
-    """gradient_equivalence's single-process step: a rank told NotProvided there, while the others computed
-    it, once went its own way into a fit while the others waited in the check's next collective (a hang)."""
-    pytester.makepyfile(one_rank_cannot=ONE_RANK_CANNOT)
+@pytest.mark.parametrize("cannot", [0, 1])
+def test_a_reference_rank_0_cannot_compute_is_not_computed_on_any(pytester: pytest.Pytester, cannot: int) -> None:
+    """gradient_equivalence's single-process step: rank 0 computes it for every rank. Told NotProvided there,
+    every rank judges the fit's first step instead (a rank that went its own way into a fit once left the others
+    waiting in the check's next collective: a hang). Another rank computes nothing there, but recomputes the
+    fit's first step: told NotProvided then, every rank leaves that step unjudged, and says why."""
+    pytester.makepyfile(one_rank_cannot=ONE_RANK_CANNOT.replace("cannot = 0", f"cannot = {cannot}"))
     result = pytester.runpytest_subprocess(
         "--pyargs", "ddp_conformance.suite", "--ddp-world-size", "2", "--ddp-timeout", "30", "-p", "no:cacheprovider",
         "--ddp-trainer", "one_rank_cannot.py:Trainer", "--ddp-checks", "gradient_equivalence", "--ddp-report",
         "report.json")
     result = json.loads((pytester.path / "report.json").read_text())["results"][0]
-    # every rank judged it from its fit's first step instead, which the trainer's fit gives
-    assert result["outcome"] == "passed" and result["figures"]["fit_step"] == "judged", result
-    assert "fit_step_max_rel_delta" not in result["figures"], result  # the DDP step beside the fit's was not judged
+    figures = result["figures"]
+    assert result["outcome"] == "passed", result
+    if cannot == 0:  # every rank judged the fit's first step alone, from its run
+        assert figures["fit_step"] == "judged" and "fit_step_max_rel_delta" not in figures, result
+    else:  # the DDP step judged with rank 0's reference; the fit's step recomputed on no rank
+        assert figures["fit_step"] == "not judged" and figures["max_rel_delta"] < 1e-5, result
+        assert any(note.startswith("the fit's first optimizer step is not recomputed: ") and "only rank 0 has" in note
+                   for note in figures["notes"]), result

@@ -31,7 +31,7 @@ import torch
 
 from ...adapter import NotProvided
 from ..support import shared_fit
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
 from ..support.model_state import item_digest
@@ -155,7 +155,10 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
         return ("the fit's first optimizer step is not recomputed: the ranks' datasets differ (rank "
                 f"{rank}'s make_dataset() holds other items than rank 0's at the indices the fit drew; see "
                 "data_consistency)")
-    whole = gradient(drawn)
+    try:  # a rank whose reference cannot be computed: every rank says so, or the others wait for it below
+        whole = on_every_rank(lambda: gradient(drawn))
+    except NotProvided as exc:
+        return f"the fit's first optimizer step is not recomputed: {exc}"
     if any(all_gather(whole is None)):
         return ("the fit's first optimizer step is not recomputed: the fit's model has other parameters than "
                 "make_model()'s")
