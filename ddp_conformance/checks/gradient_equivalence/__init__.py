@@ -38,7 +38,15 @@ import torch
 
 from ...adapter import NotProvided
 from ...runner.parent.verdict import ranks_label
-from ..support.check_context import CheckContext, all_gather, fmt, from_rank_zero, hide_on_verdict, on_every_rank
+from ..support.check_context import (
+    CheckContext,
+    all_gather,
+    fmt,
+    from_rank_zero,
+    hide_on_verdict,
+    on_every_rank,
+    tensors_from_rank_zero,
+)
 from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
 from ..support.model_state import item_digest
 from ..support.one_world import world_of_one
@@ -187,9 +195,12 @@ def _single_process_gradient(ctx: CheckContext, single: Any, batch: GlobalBatch,
         return grads_of(reference), float(single_loss.detach())
 
     mine = on_every_rank(backward)
-    gradient = from_rank_zero(mine) if alone else mine
-    assert gradient is not None
-    return gradient
+    if not alone:
+        assert mine is not None
+        return mine
+    grads, loss = mine if mine is not None else (None, None)
+    through = ctx.rank_ctx.device if ctx.rank_ctx.backend == "nccl" else "cpu"
+    return tensors_from_rank_zero(grads, through), from_rank_zero(loss)
 
 
 def _own_shard_backward(ctx: CheckContext, single: Any, batch: GlobalBatch) -> dict[str, Any]:

@@ -227,6 +227,32 @@ def from_rank_zero(value: _Value) -> _Value:
     return box[0]
 
 
+def tensors_from_rank_zero(tensors: dict[str, Any] | None, device: str) -> dict[str, Any]:
+    """Rank 0's named tensors (None values kept) on every rank, as CPU tensors (collective; `tensors` is
+    read on rank 0 only). The names, shapes and dtypes go pickled; the values as tensors, through `device`
+    (NCCL's CUDA device, else "cpu"): pickled tensors were 0.7 s for 58 MB at world size 4, and torch 2.4
+    warned on unpickling them."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert tensors is not None
+        return tensors
+    zero = dist.get_rank() == 0
+    layout = from_rank_zero({name: None if t is None else (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+                            if zero and tensors is not None else None)
+    out: dict[str, Any] = {}
+    for name, shape_dtype in layout.items():
+        if shape_dtype is None:
+            out[name] = None
+            continue
+        value = tensors[name].to(device) if zero and tensors is not None else torch.empty(
+            shape_dtype[0], dtype=shape_dtype[1], device=device)
+        dist.broadcast(value, src=0)
+        out[name] = value.cpu()
+    return out
+
+
 def on_every_rank(call: Callable[[], _Value]) -> _Value:
     """`call()`'s value where it answered on every rank; where it raised NotProvided on some rank, that
     NotProvided (the first such rank's words) raised on every rank. Collective: a rank that went on
