@@ -232,8 +232,8 @@ def tensors_from_rank_zero(tensors: dict[str, Any] | None, device: str) -> dict[
     read on rank 0 only). The names, shapes and dtypes go pickled; the values as tensors, through `device`
     (NCCL's CUDA device, else "cpu"): pickled tensors were 0.7 s for 58 MB at world size 4, and torch 2.4
     warned on unpickling them."""
-    import torch
-    import torch.distributed as dist
+    import torch  # deferred: torch is heavy, and the pytest process imports this module
+    import torch.distributed as dist  # deferred: as torch
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert tensors is not None
