@@ -575,7 +575,7 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
             checkpoint, n, observer=obs), inner=parting, all_inputs=True)
         if parting is not None and parting.decided:
             ctx.observed_steps -= n - k - ctx.recordings[label].optimizer_steps
-            ctx.figures["second_resume_ended_at_micro_batch"] = ctx.recordings[label].micro_batches
+            ctx.figures["second_resume_ended_at_micro_batch"] = parting.at_micro_batch
     mine, overrides = _rng_causes(ctx, evidence, ctx.recordings[label].first_rng if rerun else None, k, n,
                                   lightning is not None)
     rng = all_gather(mine)
