@@ -371,9 +371,13 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
     beat = RunnableBeat()
     while True:
         thread.join(POLL_SECONDS)
+        # asked before the flush: a fit that ended after a flush and before this question would be
+        # answered from memory with its end never written, and the ranks that read its file for it
+        # (nonfinite_loss's `_every_rank_raised`) would wait for an end they never see
+        ended = not thread.is_alive()
         observer.flush()
         progress = read_all(observer.path.parent, ctx.world_size)
-        if not thread.is_alive() and (observer.progress.state == "error"
+        if ended and (observer.progress.state == "error"
                                       or all(p is not None and p.stopped for p in progress)):
             # a fit that raised is reported with its own error at once; the ranks it leaves waiting
             # say so themselves (FAILED_PEER_STALL), before the runner counts them as stuck
@@ -383,7 +387,7 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
                 # the check's next collective, where it would wait for a rank that never comes
                 raise PeerFitFailed(failed[0])
             return [p for p in progress if p is not None]
-        if not thread.is_alive():  # join returns at once now: without a pause this loop would spin a core
+        if ended:  # join returns at once now: without a pause this loop would spin a core
             time.sleep(POLL_SECONDS)
         seqs = [p.seq if p is not None else 0 for p in progress]
         now = time.monotonic()

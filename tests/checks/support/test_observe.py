@@ -622,3 +622,27 @@ def test_a_fit_that_raises_drops_the_kept_evidence(ddp, tmp_path):
         guarded_fit(_context(ddp, tmp_path, stall_after=2.0), "raises", 1, fails)
     assert not _held()
     kept.forget()
+
+
+def test_a_fit_that_ends_between_two_polls_has_its_end_written_before_the_watch_returns(tmp_path):
+    """The other ranks learn how this rank's fit ended from its file alone (nonfinite_loss waits there for
+    every rank's error): a fit that ends between the watcher's write and its question whether the fit still
+    runs must still have its end written. Here the fit ends exactly when asked."""
+    from types import SimpleNamespace
+
+    from ddp_conformance.checks.support.progress import ProgressObserver, _watch, read_all
+
+    observer = ProgressObserver(tmp_path / "rank0.json", 0)
+
+    class EndsWhenAsked:
+        def join(self, timeout: float) -> None:
+            pass
+
+        def is_alive(self) -> bool:
+            if not observer.progress.stopped:
+                observer.end(FloatingPointError("non-finite loss on some rank: stopping every rank"))
+            return False
+
+    _watch(SimpleNamespace(world_size=1, stall_after=5.0), observer, EndsWhenAsked(), 1)
+    written = read_all(tmp_path, 1)[0]
+    assert written is not None and written.state == "error" and "FloatingPointError" in written.error
