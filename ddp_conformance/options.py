@@ -7,8 +7,10 @@ command line wins. Bad values become one-line usage errors here, before anything
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -309,25 +311,66 @@ def suite_preload(config: pytest.Config) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys((*WARMUP, *(name for spec in specs for name in spec.frameworks))))
 
 
-def validate_trainers_and_config(config: pytest.Config, settings: Settings) -> None:
-    """Resolve every SPEC and read the config once in pytest, so a bad one is one usage line before
-    any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily)."""
+def validate_trainers_and_config(config: pytest.Config, settings: Settings, defer_imports: bool = False) -> None:
+    """Read the config and parse every SPEC once in pytest, and resolve the SPECs, so a bad one is one usage
+    line before any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily).
+    `defer_imports`: the SPECs that import code are resolved by `validate_deferred_trainers` instead."""
     # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
-    from .trainers.spec import SpecError, message_prefix
+    from .trainers.spec import SpecError
 
     try:
-        for spec in session_trainers(config):
-            spec.resolve()
+        specs = session_trainers(config)
+        for spec in specs:
+            if not (defer_imports and spec.imports_code):
+                spec.resolve()
     except SpecError as exc:
-        # the SPEC it names: every SpecError message starts with its SPEC's prefix
-        text = next(t for t in settings.trainers if str(exc).startswith(message_prefix(t.strip())))
-        reason = str(exc).removeprefix(message_prefix(text.strip()))
-        raise pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {text!r}: {reason}") from None
+        raise _spec_usage_error(config, settings, str(exc)) from None
+    if defer_imports:
+        config.stash[DEFERRED_SPECS_KEY] = tuple(spec for spec in specs if spec.imports_code)
     if settings.config_path is not None:
         try:
             run_config(config)
         except ConfigError as exc:
             raise pytest.UsageError(f"{where_given(config, 'ddp_config')}: {exc}") from None
+
+
+DEFERRED_SPECS_KEY = pytest.StashKey["tuple[TrainerSpec, ...]"]()
+
+
+def validate_deferred_trainers(config: pytest.Config, call_elsewhere: Callable[[str, str], str | None]) -> None:
+    """Resolve the SPECs `validate_trainers_and_config` left, where the ranks' imports are made already
+    (`call_elsewhere`, the controller's `call_where_ranks_start`): resolved in pytest's process, a
+    `lightning:` SPEC imports Lightning there (~4 s of CPU) while the fork servers import it for the ranks,
+    on the ranks' way to their first test on a 2-core machine. Called once collection is done, as the ranks
+    are forked only then; resolved in this process where there is no such place."""
+    specs = config.stash.get(DEFERRED_SPECS_KEY, ())
+    if not specs:
+        return
+    del config.stash[DEFERRED_SPECS_KEY]
+    problem = call_elsewhere("ddp_conformance.trainers.spec:first_problem",
+                             json.dumps([[spec.text, spec.base] for spec in specs]))
+    if problem is None:
+        # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
+        from .trainers.spec import SpecError
+
+        try:
+            for spec in specs:
+                spec.resolve()
+        except SpecError as exc:
+            problem = str(exc)
+    if problem:
+        raise _spec_usage_error(config, settings_of(config), problem)
+
+
+def _spec_usage_error(config: pytest.Config, settings: Settings, message: str) -> pytest.UsageError:
+    """A SpecError's line as the usage line naming where the SPEC was given (every SpecError message
+    starts with its SPEC's prefix)."""
+    # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
+    from .trainers.spec import message_prefix
+
+    text = next(t for t in settings.trainers if message.startswith(message_prefix(t.strip())))
+    reason = message.removeprefix(message_prefix(text.strip()))
+    return pytest.UsageError(f"{where_given(config, 'ddp_trainers')}: {text!r}: {reason}")
 
 
 PATH_OPTIONS = ("--ddp-report", "--ddp-config")

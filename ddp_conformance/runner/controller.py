@@ -48,6 +48,11 @@ class Controller(Protocol):
         """Distributed tests will follow (the session names trainers to check): start now what every
         one needs, importing `preload` there, while pytest goes on configuring and collecting."""
 
+    def call_where_ranks_start(self, target: str, argument: str) -> str | None:
+        """What `target(argument)` ("module:function", returning a str) returns, run in a process that
+        starts as this session's ranks do, their imports already made, so that pytest's process need not
+        make them too; None where there is none (the caller runs it itself)."""
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         """The marked tests of the session are known (start what they will need)."""
 

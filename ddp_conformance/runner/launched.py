@@ -74,6 +74,9 @@ class LauncherController:
     def expect(self, preload: tuple[str, ...]) -> None:
         pass  # nothing to start: the launcher started the ranks
 
+    def call_where_ranks_start(self, target: str, argument: str) -> str | None:
+        return None  # this process is a rank: what it imports for the call, its tests use
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         pass  # nothing to start: the launcher started the ranks
 

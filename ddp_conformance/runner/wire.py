@@ -97,6 +97,18 @@ class Fork:
 
 
 @dataclass
+class Call:
+    """Ask the zygote for one short-lived process, not a rank, that imports `target` ("module:function")
+    and writes what `target(argument)` returns (a str) to `result_path`: work that needs the zygote's
+    imports, done without paying them again in pytest's process."""
+
+    target: str
+    argument: str
+    result_path: str
+    log_path: str
+
+
+@dataclass
 class Forked:
     pid: int
 

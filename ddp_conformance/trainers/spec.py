@@ -32,6 +32,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -212,6 +213,11 @@ class TrainerSpec:
         worth importing once, before ranks are forked (Lightning's ~3 s of CPU a rank)."""
         return ("lightning.pytorch",) if self.kind == LIGHTNING or self.text.strip() == "lightning" else ()
 
+    @property
+    def imports_code(self) -> bool:
+        """Whether resolving it imports the module it names (and whatever that imports: Lightning, torch)."""
+        return self.kind in (LIGHTNING, ATTRIBUTE)
+
     def resolve(self) -> Factory:
         """A zero-argument callable that builds a fresh adapter: imports what the SPEC names, in this
         process. Raises SpecError with one line on any problem."""
@@ -233,6 +239,17 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
     or pytest's rootdir for a SPEC from an ini file. Raises SpecError with one line on any problem.
     """
     return TrainerSpec.parse(spec, rootdir).resolve()
+
+
+def first_problem(specs: str) -> str:
+    """The one line of the first of `specs` (JSON: [[text, base], ...]) that does not resolve, "" when every
+    one does. Called by name where the ranks' imports are made already (`Controller.call_where_ranks_start`)."""
+    for text, base in json.loads(specs):
+        try:
+            TrainerSpec.parse(text, base).resolve()
+        except SpecError as exc:
+            return str(exc)
+    return ""
 
 
 def _kind(text: str) -> str | None:

@@ -49,9 +49,19 @@ def test_the_suite_s_fork_server_starts_before_collection_with_the_frameworks_it
 
 
 SLOW_TRAINER = """
+import os
 import time
+from pathlib import Path
+Path(__file__).with_name("resolving").write_text(str(os.getpid()))  # where, and in which process
 time.sleep(60)  # resolving this SPEC takes long enough to be interrupted
 Trainer = None
+"""
+SLOW_TEST_FILE = """
+import os
+import time
+from pathlib import Path
+Path(__file__).with_name("collecting").write_text(str(os.getpid()))
+time.sleep(60)  # collecting this file takes long enough to be interrupted
 """
 
 
@@ -70,30 +80,75 @@ def _fork_servers_of(pid: int) -> list[int]:
     return found
 
 
-def test_a_ci_runner_s_sigterm_while_the_specs_are_resolved_leaves_no_process_or_directory(tmp_path: Path) -> None:
-    """The fork server starts before the SPECs are resolved: a SIGTERM then (a CI job cancelled) must
-    unwind pytest as Ctrl-C does, so that the fork server and its private directory go with it."""
+@pytest.mark.parametrize("interrupted", ["resolving", "collecting"])
+def test_a_ci_runner_s_sigterm_while_the_specs_are_resolved_leaves_no_process_or_directory(
+        tmp_path: Path, interrupted: str) -> None:
+    """The fork server starts before the SPECs are resolved (in a process it forks, after collection): a
+    SIGTERM while either goes on (a CI job cancelled) must unwind pytest as Ctrl-C does, at once, so that
+    the fork server, the process resolving and the private directory go with it. Interrupted while
+    collecting, pytest still calls the hooks that end a collection: the SPEC must not be resolved then."""
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("needs Linux /proc to see the fork server")
     (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
+    (tmp_path / "test_slow_to_collect.py").write_text(SLOW_TEST_FILE)
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp))
+    tests = ["test_slow_to_collect.py"] if interrupted == "collecting" else []
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                             "ddp_conformance.suite", "--ddp-trainer", "slow_trainer.py:Trainer"],
+                             "ddp_conformance.suite", *tests, "--ddp-trainer", "slow_trainer.py:Trainer"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while not _fork_servers_of(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, "the fork server never started"
+        while not (tmp_path / interrupted).is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, f"pytest never got to {interrupted}"
             time.sleep(0.1)
         servers = _fork_servers_of(proc.pid)
+        assert servers, f"the fork server had not started when pytest got to {interrupted}"
+        busy = int((tmp_path / interrupted).read_text())
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        proc.wait(20)  # not the 60 s of a SPEC resolved after the collection it interrupted
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     time.sleep(1)
-    assert not [pid for pid in servers if os.path.exists(f"/proc/{pid}")]
-    assert list(temp.iterdir()) == []
+    assert not [pid for pid in [*servers, busy] if os.path.exists(f"/proc/{pid}")]
+    # torch's own compile cache (torchinductor_<user>), made by importing torch._dynamo and kept across runs
+    # by design, is not ours to remove
+    assert [path for path in temp.iterdir() if not path.name.startswith("torchinductor_")] == []
+    assert not (tmp_path / "resolving").exists() or interrupted == "resolving"
+
+
+LIT_MODULE = """
+import lightning.pytorch as pl
+
+class LitModel(pl.LightningModule):
+    pass
+"""
+WHAT_PYTEST_IMPORTED = """
+import sys
+
+def pytest_collection_finish(session):
+    print("PYTEST IMPORTED:", sorted(name for name in ("lightning",) if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("spawn", ["fork", "exec"])
+def test_a_spec_is_resolved_where_the_ranks_imports_are_and_a_bad_one_is_still_one_usage_line(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, spawn: str) -> None:
+    """A SPEC that imports code (here Lightning's, ~4 s of CPU) is resolved in a process the fork server forks,
+    which has imported it for the ranks already: not again in pytest's process, on a 2-core machine the ranks'
+    way to their first test. A bad one is still one usage line. Without a fork server (exec'd ranks) pytest
+    resolves it itself, with the same line."""
+    pytester.makeconftest(WHAT_PYTEST_IMPORTED)
+    pytester.makepyfile(lit_model=LIT_MODULE)
+    monkeypatch.setenv("DDP_CONFORMANCE_SPAWN", spawn)
+    common = ["-s", "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--collect-only"]
+    good = pytester.runpytest_subprocess(*common, "--ddp-trainer", "lightning:lit_model.py:LitModel")
+    assert good.ret == 0, good.stdout.str() + good.stderr.str()
+    good.stdout.fnmatch_lines(["PYTEST IMPORTED: []" if spawn == "fork" else "PYTEST IMPORTED: ['lightning'*"])
+    bad = pytester.runpytest_subprocess(*common, "--ddp-trainer", "lightning:lit_model.py:LitModl")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert bad.stderr.lines == ["ERROR: --ddp-trainer: 'lightning:lit_model.py:LitModl': lit_model.py has no attribute "
+                                "'LitModl' (Lightning classes there: LitModel)"] or bad.stderr.str()

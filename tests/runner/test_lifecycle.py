@@ -171,6 +171,23 @@ def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyP
         zygote.close()
 
 
+def test_a_call_runs_in_a_process_the_fork_server_forks_and_leaves_nothing(tmp_path: Path) -> None:
+    """`Zygote.call`: the str its target returns, computed in a child of rank 0's fork server (which the child
+    names in DDP_CONFORMANCE_PARENT); a target that raises is an OSError with its last words; no file of
+    either is left in the server's directory."""
+    from ddp_conformance.runner.parent.zygote import Zygote
+
+    zygote = Zygote(start_timeout=300)
+    try:
+        assert zygote.call("posixpath:basename", "/a/trainer.py") == "trainer.py"
+        assert zygote.call("os:getenv", "DDP_CONFORMANCE_PARENT") == str(zygote.pids[0])
+        with pytest.raises(OSError, match=r"^json:loads ended with exit code 1 and no result: .*JSONDecodeError"):
+            zygote.call("json:loads", "{")
+        assert [os.listdir(server.log_dir) for server in zygote.servers] == [["zygote.log"]] * len(zygote.servers)
+    finally:
+        zygote.close()
+
+
 def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(
         """

@@ -66,6 +66,17 @@ class PoolController:
         self.preload = tuple(dict.fromkeys((*self.preload, *preload)))
         self.zygote()
 
+    def call_where_ranks_start(self, target: str, argument: str) -> str | None:
+        """In a process forked from the fork server, only where one was started (`expect`): starting one
+        here would cost the imports it saves. None when it fails or ends without a result."""
+        zygote = self._zygote if self._zygote is not None and self._zygote.alive else None
+        if zygote is None:
+            return None
+        try:
+            return zygote.call(target, argument)
+        except OSError:
+            return None
+
     def collection_finished(self, tests: Sequence[DdpTest]) -> None:
         """Start the first pools early. Under xdist a worker does not know which tests it will get,
         so it starts only the first shape."""

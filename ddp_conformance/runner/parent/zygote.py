@@ -21,7 +21,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 
-from ..wire import Exited, Fork, Forked, Ready, WarmUp, receive, send
+from ..wire import Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
 
 
 class _Server:
@@ -81,10 +81,10 @@ class _Server:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def fork(self, env: dict[str, str], log_path: str) -> int:
+    def fork(self, request: Fork | Call) -> int:
         self.wait_ready()
         try:
-            send(self.conn, Fork(env=env, log_path=log_path))
+            send(self.conn, request)
             while True:
                 message = receive(self.conn)
                 if isinstance(message, Forked):
@@ -165,7 +165,33 @@ class Zygote:
     def fork(self, env: dict[str, str], log_path: str) -> ForkedRank:
         """A rank with this environment: from the first server for rank 0, from the last for the rest."""
         server = self.servers[0 if env.get("RANK", "0") == "0" else -1]
-        return ForkedRank(server, server.fork(env, log_path))
+        return ForkedRank(server, server.fork(Fork(env=env, log_path=log_path)))
+
+    def call(self, target: str, argument: str) -> str:
+        """What `target(argument)` returns (`wire.Call`), run in a process forked from rank 0's server once
+        it has imported what ranks need; waits as long as that takes, as an import in this process
+        would. Raises OSError (with its last words) when it ends without a result."""
+        server = self.servers[0]
+        result_path = os.path.join(server.log_dir, f"call-{time.monotonic_ns()}.out")
+        log_path = f"{result_path}.log"
+        child = ForkedRank(server, server.fork(Call(target, argument, result_path, log_path)))
+        try:
+            code = child.wait()
+        except BaseException:
+            child.kill()
+            raise
+        try:
+            with open(result_path, encoding="utf-8") as result:
+                return result.read()
+        except OSError:
+            words = ""
+            with contextlib.suppress(OSError), open(log_path, errors="replace") as log:
+                words = "".join(f": {line}" for line in log.read().strip().splitlines()[-1:])
+            raise OSError(f"{target} ended with exit code {code} and no result{words}") from None
+        finally:
+            for path in (result_path, log_path):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
 
     def warm_up(self) -> None:
         """Ranks use the WARMUP modules: have them imported for the ranks forked from now on."""

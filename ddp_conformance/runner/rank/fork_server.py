@@ -9,13 +9,14 @@ rank has. It reaps its children and reports each exit status to the parent.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..wire import WARMUP, Exited, Fork, Forked, Ready, WarmUp, receive, send
+from ..wire import WARMUP, Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
 from . import serve
 
 # what a rank needs to join a group and run a test: imported before the zygote says it is ready
@@ -26,8 +27,8 @@ PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", 
 WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
 
 
-def _child(request: Fork, conn: Connection, zygote_pid: int) -> None:
-    """In the forked rank: never returns into the zygote's loop."""
+def _child(request: Fork | Call, conn: Connection, zygote_pid: int) -> None:
+    """In the forked process: never returns into the zygote's loop."""
     code = 1
     try:
         conn.close()
@@ -36,11 +37,12 @@ def _child(request: Fork, conn: Connection, zygote_pid: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-        os.environ.clear()
-        os.environ.update(request.env)
+        if isinstance(request, Fork):
+            os.environ.clear()
+            os.environ.update(request.env)
         os.environ["DDP_CONFORMANCE_PARENT"] = str(zygote_pid)  # taken before the fork: no race
         serve.die_with_parent()
-        code = serve.serve()
+        code = serve.serve() if isinstance(request, Fork) else _call(request)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -48,6 +50,17 @@ def _child(request: Fork, conn: Connection, zygote_pid: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _call(request: Call) -> int:
+    """`request.target(request.argument)`, its str written whole (temp file + rename) or not at all."""
+    module, _, name = request.target.partition(":")
+    result = getattr(importlib.import_module(module), name)(request.argument)
+    temp = f"{request.result_path}.tmp"
+    with open(temp, "w", encoding="utf-8") as out:
+        out.write(result)
+    os.replace(temp, request.result_path)
+    return 0
 
 
 def _reap(conn: Connection) -> None:
@@ -90,7 +103,7 @@ def main(fd: int, preload: list[str]) -> int:
             request = receive(conn)
             if isinstance(request, WarmUp):
                 warmup = [name for name in WARMUP if name not in sys.modules]
-            if isinstance(request, Fork):
+            if isinstance(request, Fork | Call):
                 me = os.getpid()
                 pid = os.fork()
                 if pid == 0:
