@@ -507,6 +507,7 @@ class LightningAdapter(TrainerAdapter):
                 # so that data generated without a seed differs between ranks. Lightning's
                 # DistributedSampler then has its default seed (0), not the fits' config seed.
                 built = self.build()
+                self._read_ddp_kwargs(built)  # its make_trainer asks for them: not another build for that
                 _reads_without_training(built.module)
                 trainer = self.make_trainer(built, [reader], max_epochs=epochs, limit_train_batches=1)
                 trainer.fit(built.module, datamodule=built.datamodule)
@@ -536,7 +537,9 @@ class LightningAdapter(TrainerAdapter):
 
     def make_model(self) -> nn.Module:
         """A fresh module, built from the config's seed so that every rank's is the same."""
-        return seeded(self.config.seed, lambda: self.build().module).to(self.device)
+        built = seeded(self.config.seed, self.build)
+        self._read_ddp_kwargs(built)
+        return built.module.to(self.device)
 
     def precision_plugin(self) -> Precision:
         precision = self.config.trainer.precision

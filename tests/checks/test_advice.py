@@ -49,3 +49,31 @@ def test_without_it_a_setting_that_is_off_is_skipped_unmeasured_and_with_it_meas
     assert "static_graph is off in the config; the model can take it" in static["message"], static
     assert static["figures"]["static_fit"] == "trained", static
     assert advised["unwrapped bucket_view_memory"]["message"] == unwrapped  # the same verdict, measured
+
+
+NO_BATCH_NEEDED = """
+import threading
+
+from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+class Trainer(TorchTrainer):
+    name = "no_batch_needed"
+
+    def make_dataset(self, size=None):
+        # the fits (in their own threads) build their loaders from it; the check's own thread must not ask
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("bucket_view_memory built a batch for a setting it reads off wrap")
+        return super().make_dataset(size)
+"""
+
+
+def test_a_setting_read_off_wrap_builds_no_batch(pytester: pytest.Pytester) -> None:
+    """Read without a step, the setting needs no batch either: a Lightning trainer's dataset costs a probe fit."""
+    pytester.makepyfile(no_batch_needed=NO_BATCH_NEEDED)
+    report = pytester.path / "report.json"
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer",
+                                  "no_batch_needed.py:Trainer", "--ddp-world-size", "2", "--ddp-checks",
+                                  "bucket_view_memory", "--ddp-report", str(report))
+    [view] = json.loads(report.read_text())["results"]
+    assert view["outcome"] == "skipped" and "gradient_as_bucket_view is off" in view["message"], view

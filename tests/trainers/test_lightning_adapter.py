@@ -183,9 +183,11 @@ def test_a_strategy_setting_the_checks_cannot_keep_is_one_line_naming_where_it_b
     assert str(caught.value) == line
 
 
-def test_a_fit_builds_the_module_once_and_reads_the_strategy_off_that_build(tmp_path):
+@pytest.mark.parametrize("first", ["fit", "make_dataset", "make_model"])
+def test_a_fit_builds_the_module_once_and_reads_the_strategy_off_that_build(tmp_path, first):
     """The DDP kwargs come from the factory's Trainer arguments; reading them off a build of their own cost a
-    second initialisation of the model per adapter (0.1-0.2 s for Lightning's demo transformer)."""
+    second initialisation of the model per adapter (0.1-0.2 s for Lightning's demo transformer), whichever
+    of its builds comes first: a fit's, the probe fit's that reads the train loader, or make_model's."""
     from lightning.pytorch.strategies import DDPStrategy
 
     builds = []
@@ -205,8 +207,12 @@ def test_a_fit_builds_the_module_once_and_reads_the_strategy_off_that_build(tmp_
         raise Stop
 
     lit.make_trainer = make_trainer
-    with pytest.raises(Stop):
-        lit.fit(1)
+    if first == "make_model":
+        lit.make_model()
+        assert lit.ddp_kwargs() == {"find_unused_parameters": True}
+    else:
+        with pytest.raises(Stop):
+            lit.fit(1) if first == "fit" else lit.make_dataset()
     assert len(builds) == 1
 
 

@@ -119,19 +119,23 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip("no heap counter on this platform: measuring CPU memory needs glibc's mallinfo2 (glibc >= 2.33)")
     own = ctx.adapter(config)
     declared = _declared(own, config)
-    per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
-    dataset = own.make_dataset(max(config.data.size, per_rank * ctx.world_size))
-    start = ctx.rank * per_rank
-    batch = own.collate([dataset[i] for i in range(start, start + per_rank)])
-    # a full collection scans every object of the process (0.3 s once torch._dynamo is imported);
-    # frozen (garbage included: it then cannot be freed in the middle of a measured run), the old
-    # objects are skipped and the collections between runs only see the runs' own
-    gc.freeze()
-    try:
-        with ctx.training():
-            mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
-    finally:
-        gc.unfreeze()
+    read = _read_without_a_step(ctx, own, declared)
+    if read is not None:
+        (mode, own_run), runs = read, []
+    else:
+        per_rank = config.data.batch_size * config.trainer.accumulate_grad_batches
+        dataset = own.make_dataset(max(config.data.size, per_rank * ctx.world_size))
+        start = ctx.rank * per_rank
+        batch = own.collate([dataset[i] for i in range(start, start + per_rank)])
+        # a full collection scans every object of the process (0.3 s once torch._dynamo is imported);
+        # frozen (garbage included: it then cannot be freed in the middle of a measured run), the old
+        # objects are skipped and the collections between runs only see the runs' own
+        gc.freeze()
+        try:
+            with ctx.training():
+                mode, own_run, runs = _measure_runs(ctx, config, own, declared, batch, device_type)
+        finally:
+            gc.unfreeze()
     ctx.observed_steps += STEPS * (len(runs) + (1 if runs else 0))  # the pairs, and the warm-up before them
     ctx.figures["pairs_measured"] = len(runs) // 2
     views = None
@@ -170,19 +174,29 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
                    "build, so its memory is not the fit's")
 
 
+def _read_without_a_step(ctx: CheckContext, own: Any, declared: bool | None) -> tuple[str, DdpSetting] | None:
+    """Where the config claims nothing and no advice is asked for, the setting read off `wrap` without a
+    step, nor a batch built for one: off, or no DDP, is then a skip with nothing to measure ((mode, the
+    setting), as `_measure_runs` names them); None where it must be measured."""
+    if declared or ctx.advise:
+        return None
+    with ctx.training():
+        read = ddp_setting(own)
+    gathered = all_gather((read.is_ddp, bool(read.ddp_flag)))
+    if not all(is_ddp for is_ddp, _ in gathered):
+        return "no-ddp", read
+    if not any(flag for _, flag in gathered):
+        return "off", read
+    # to be measured: the DDP just read off wrap (its model, its buckets) must not be freed inside a measured
+    # step; a full collection costs ~0.4 s once torch._dynamo is imported, so only here
+    gc.collect()
+    return None
+
+
 def _measure_runs(ctx: CheckContext, config: Any, own: Any, declared: bool | None, batch: Any,
                   device_type: str) -> tuple[str, StepMemory | DdpSetting, list[StepMemory]]:
     """The trainer as configured (its setting), then the off/on pairs: (mode, that run, the pairs).
-    mode: "on" (judged), "unhonoured" (claimed, off in DDP), "off" (measured for the skip), "no-ddp".
-    Where the config claims nothing and no advice is asked for, the setting is read off `wrap` without a
-    step first: off, or no DDP, is then a skip with nothing to measure."""
-    if not declared and not ctx.advise:
-        read = ddp_setting(own)
-        gathered = all_gather((read.is_ddp, bool(read.ddp_flag)))
-        if not all(is_ddp for is_ddp, _ in gathered):
-            return "no-ddp", read, []
-        if not any(flag for _, flag in gathered):
-            return "off", read, []
+    mode: "on" (judged), "unhonoured" (claimed, off in DDP), "off" (measured for the skip), "no-ddp"."""
     own_run = measure_step(own, batch, bool(declared), STEPS, device_type)
     ctx.observed_steps += STEPS
     setting = all_gather((own_run.is_ddp, bool(own_run.ddp_flag)))

@@ -95,14 +95,12 @@ class DdpSetting:
 
 def ddp_setting(adapter: Any) -> DdpSetting:
     """Build the adapter's model and wrap it the trainer's way (collective: DDP broadcasts the
-    parameters), and read the gradient_as_bucket_view DDP reports; nothing is trained or measured."""
+    parameters), and read the gradient_as_bucket_view DDP reports; nothing is trained or measured. The
+    DDP is left to the garbage collector: a caller that measures next collects it first."""
     wrapped = adapter.wrap(adapter.make_model())
     is_ddp = hasattr(wrapped, "_get_ddp_logging_data")
     flag = bool(wrapped._get_ddp_logging_data().get("gradient_as_bucket_view")) if is_ddp else None
-    setting = DdpSetting(is_ddp, flag, type(wrapped).__name__)
-    del wrapped
-    gc.collect()
-    return setting
+    return DdpSetting(is_ddp, flag, type(wrapped).__name__)
 
 
 def _buckets(logging: dict[str, Any]) -> int:
