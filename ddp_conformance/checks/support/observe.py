@@ -493,7 +493,9 @@ class FitRecorder:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             self.record.grad_steps += 1
-            self.record.nonzero_grad_steps += any(nonzero(g) for g in grads)
+            # the smallest first: a bias's gradient answers at once, where an embedding's (mostly zero rows)
+            # was read whole at every step (26 MB, 4 ms, in the demo transformer)
+            self.record.nonzero_grad_steps += any(nonzero(g) for g in sorted(grads, key=lambda g: g.numel()))
         first = self.record.first_step
         applied = self.record.optimizer_steps - self._skipped
         if not self._capture_first_step or applied or (first is not None and first.grads):
