@@ -100,12 +100,15 @@ class Fork:
 class Call:
     """Ask the zygote for one short-lived process, not a rank, that imports `target` ("module:function")
     and writes what `target(argument)` returns (a str) to `result_path`: work that needs the zygote's
-    imports, done without paying them again in pytest's process."""
+    imports, done without paying them again in pytest's process. It runs with pytest's `sys_path` and
+    `cwd`, as a rank runs a `Task`, so that it imports what the ranks would."""
 
     target: str
     argument: str
     result_path: str
     log_path: str
+    sys_path: list[str]
+    cwd: str
 
 
 @dataclass

@@ -152,3 +152,31 @@ def test_a_spec_is_resolved_where_the_ranks_imports_are_and_a_bad_one_is_still_o
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     assert bad.stderr.lines == ["ERROR: --ddp-trainer: 'lightning:lit_model.py:LitModl': lit_model.py has no attribute "
                                 "'LitModl' (Lightning classes there: LitModel)"] or bad.stderr.str()
+
+
+SRC_TRAINER = """
+from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+class Trainer(TorchTrainer):
+    name = "from_src"
+"""
+
+
+def test_a_spec_importable_through_pytest_s_own_pythonpath_resolves_as_in_the_ranks(pytester: pytest.Pytester) -> None:
+    """The SPEC is resolved where the ranks' imports are, but with pytest's sys.path and working directory, as
+    the ranks run each test: a package only pytest's `pythonpath` ini option makes importable (a src layout)
+    resolves there too, and a misspelt one is still the usage line."""
+    pytester.makeini("[pytest]\npythonpath = src\n")
+    package = pytester.path / "src" / "mypkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "trainer.py").write_text(SRC_TRAINER)
+    common = ["-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--collect-only", "-q"]
+    good = pytester.runpytest_subprocess(*common, "--ddp-trainer", "mypkg.trainer:Trainer")
+    assert good.ret == 0, good.stdout.str() + good.stderr.str()
+    good.stdout.fnmatch_lines(["*test_conformance[[]trainer-rank_participation[]]*"])
+    bad = pytester.runpytest_subprocess(*common, "--ddp-trainer", "mypkg.trainer:Trainr")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert bad.stderr.lines == ["ERROR: --ddp-trainer: 'mypkg.trainer:Trainr': mypkg.trainer has no attribute "
+                                "'Trainr' (adapters there: Trainer)"] or bad.stderr.str()

@@ -169,12 +169,14 @@ class Zygote:
 
     def call(self, target: str, argument: str) -> str:
         """What `target(argument)` returns (`wire.Call`), run in a process forked from rank 0's server once
-        it has imported what ranks need; waits as long as that takes, as an import in this process
-        would. Raises OSError (with its last words) when it ends without a result."""
+        it has imported what ranks need, with this process's sys.path and working directory (as a rank
+        runs a task); waits as long as that takes, as an import in this process would. Raises OSError
+        (with its last words) when it ends without a result."""
         server = self.servers[0]
         result_path = os.path.join(server.log_dir, f"call-{time.monotonic_ns()}.out")
         log_path = f"{result_path}.log"
-        child = ForkedRank(server, server.fork(Call(target, argument, result_path, log_path)))
+        call = Call(target, argument, result_path, log_path, sys_path=list(sys.path), cwd=os.getcwd())
+        child = ForkedRank(server, server.fork(call))
         try:
             code = child.wait()
         except BaseException:

@@ -54,6 +54,8 @@ def _child(request: Fork | Call, conn: Connection, zygote_pid: int) -> None:
 
 def _call(request: Call) -> int:
     """`request.target(request.argument)`, its str written whole (temp file + rename) or not at all."""
+    sys.path[:] = request.sys_path
+    os.chdir(request.cwd)
     module, _, name = request.target.partition(":")
     result = getattr(importlib.import_module(module), name)(request.argument)
     temp = f"{request.result_path}.tmp"
