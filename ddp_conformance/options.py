@@ -316,15 +316,15 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings, defe
     line before any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily).
     `defer_imports`: the SPECs that import code are resolved by `validate_deferred_trainers` instead."""
     # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
-    from .trainers.spec import SpecError
+    from .trainers.spec import SpecError, problem_of
 
     try:
         specs = session_trainers(config)
-        for spec in specs:
-            if not (defer_imports and spec.imports_code):
-                spec.resolve()
     except SpecError as exc:
         raise _spec_usage_error(config, settings, str(exc)) from None
+    problem = problem_of(spec for spec in specs if not (defer_imports and spec.imports_code))
+    if problem:
+        raise _spec_usage_error(config, settings, problem)
     if defer_imports:
         config.stash[DEFERRED_SPECS_KEY] = tuple(spec for spec in specs if spec.imports_code)
     if settings.config_path is not None:
@@ -351,13 +351,9 @@ def validate_deferred_trainers(config: pytest.Config, call_elsewhere: Callable[[
                              json.dumps([[spec.text, spec.base] for spec in specs]))
     if problem is None:
         # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
-        from .trainers.spec import SpecError
+        from .trainers.spec import problem_of
 
-        try:
-            for spec in specs:
-                spec.resolve()
-        except SpecError as exc:
-            problem = str(exc)
+        problem = problem_of(specs)
     if problem:
         raise _spec_usage_error(config, settings_of(config), problem)
 

@@ -241,15 +241,20 @@ def resolve_spec(spec: str, rootdir: Path) -> Factory:
     return TrainerSpec.parse(spec, rootdir).resolve()
 
 
-def first_problem(specs: str) -> str:
-    """The one line of the first of `specs` (JSON: [[text, base], ...]) that does not resolve, "" when every
-    one does. Called by name where the ranks' imports are made already (`Controller.call_where_ranks_start`)."""
-    for text, base in json.loads(specs):
-        try:
-            TrainerSpec.parse(text, base).resolve()
-        except SpecError as exc:
-            return str(exc)
+def problem_of(specs: Iterable[TrainerSpec]) -> str:
+    """The one line of the first of `specs` that does not resolve, "" when every one does."""
+    try:
+        for spec in specs:
+            spec.resolve()
+    except SpecError as exc:
+        return str(exc)
     return ""
+
+
+def first_problem(specs: str) -> str:
+    """`problem_of` the SPECs in `specs` (JSON: [[text, base], ...]). Called by name where the ranks'
+    imports are made already (`Controller.call_where_ranks_start`)."""
+    return problem_of(TrainerSpec.parse(text, base) for text, base in json.loads(specs))
 
 
 def _kind(text: str) -> str | None:

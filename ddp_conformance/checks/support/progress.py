@@ -377,8 +377,7 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         ended = not thread.is_alive()
         observer.flush()
         progress = read_all(observer.path.parent, ctx.world_size)
-        if ended and (observer.progress.state == "error"
-                                      or all(p is not None and p.stopped for p in progress)):
+        if ended and (observer.progress.state == "error" or all(p is not None and p.stopped for p in progress)):
             # a fit that raised is reported with its own error at once; the ranks it leaves waiting
             # say so themselves (FAILED_PEER_STALL), before the runner counts them as stuck
             failed = [p for p in progress if p is not None and p.state == "error"]
