@@ -311,10 +311,16 @@ def suite_preload(config: pytest.Config) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys((*WARMUP, *(name for spec in specs for name in spec.frameworks))))
 
 
-def validate_trainers_and_config(config: pytest.Config, settings: Settings, defer_imports: bool = False) -> None:
+def validate_trainers_and_config(config: pytest.Config, settings: Settings,
+                                 elsewhere: Callable[[str, str], str | None] | None = None) -> None:
     """Read the config and parse every SPEC once in pytest, and resolve the SPECs, so a bad one is one usage
-    line before any rank starts. Only when asked for: the defaults need no import (built-ins resolve lazily).
-    `defer_imports`: the SPECs that import code are resolved by `validate_deferred_trainers` instead."""
+    line before any rank starts (and before pytest's session header). Only when asked for: the defaults
+    need no import (built-ins resolve lazily).
+
+    `elsewhere` (the controller's `call_where_ranks_start`) resolves the SPECs that import code where the
+    ranks' imports are made already: in pytest's process a `lightning:` SPEC imports Lightning (~4 s of CPU)
+    while the fork servers import it for the ranks, on their way to the first test on a 2-core machine.
+    Where it answers None (no such place), they are resolved here."""
     # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
     from .trainers.spec import SpecError, problem_of
 
@@ -322,40 +328,21 @@ def validate_trainers_and_config(config: pytest.Config, settings: Settings, defe
         specs = session_trainers(config)
     except SpecError as exc:
         raise _spec_usage_error(config, settings, str(exc)) from None
-    problem = problem_of(spec for spec in specs if not (defer_imports and spec.imports_code))
+    importing = [spec for spec in specs if spec.imports_code] if elsewhere is not None else []
+    problem = problem_of(spec for spec in specs if spec not in importing)
+    if not problem and importing:
+        assert elsewhere is not None
+        problem = elsewhere("ddp_conformance.trainers.spec:first_problem",
+                            json.dumps([[spec.text, spec.base] for spec in importing]))
+        if problem is None:
+            problem = problem_of(importing)
     if problem:
         raise _spec_usage_error(config, settings, problem)
-    if defer_imports:
-        config.stash[DEFERRED_SPECS_KEY] = tuple(spec for spec in specs if spec.imports_code)
     if settings.config_path is not None:
         try:
             run_config(config)
         except ConfigError as exc:
             raise pytest.UsageError(f"{where_given(config, 'ddp_config')}: {exc}") from None
-
-
-DEFERRED_SPECS_KEY = pytest.StashKey["tuple[TrainerSpec, ...]"]()
-
-
-def validate_deferred_trainers(config: pytest.Config, call_elsewhere: Callable[[str, str], str | None]) -> None:
-    """Resolve the SPECs `validate_trainers_and_config` left, where the ranks' imports are made already
-    (`call_elsewhere`, the controller's `call_where_ranks_start`): resolved in pytest's process, a
-    `lightning:` SPEC imports Lightning there (~4 s of CPU) while the fork servers import it for the ranks,
-    on the ranks' way to their first test on a 2-core machine. Called once collection is done, as the ranks
-    are forked only then; resolved in this process where there is no such place."""
-    specs = config.stash.get(DEFERRED_SPECS_KEY, ())
-    if not specs:
-        return
-    del config.stash[DEFERRED_SPECS_KEY]
-    problem = call_elsewhere("ddp_conformance.trainers.spec:first_problem",
-                             json.dumps([[spec.text, spec.base] for spec in specs]))
-    if problem is None:
-        # deferred: the SPEC module's imports (unittest.mock brings asyncio) would slow every pytest start
-        from .trainers.spec import problem_of
-
-        problem = problem_of(specs)
-    if problem:
-        raise _spec_usage_error(config, settings_of(config), problem)
 
 
 def _spec_usage_error(config: pytest.Config, settings: Settings, message: str) -> pytest.UsageError:

@@ -52,7 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if preload is not None:  # the suite's ranks start importing while pytest validates and collects
         controller.expect(preload)
     if config.getoption("ddp_trainers") or config.getini("ddp_trainers") or settings.config_path:
-        options.validate_trainers_and_config(config, settings, defer_imports=preload is not None)
+        elsewhere = controller.call_where_ranks_start if preload is not None else None
+        options.validate_trainers_and_config(config, settings, elsewhere)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -74,13 +75,6 @@ def _controller(config: pytest.Config) -> Controller:
 # -- collection --------------------------------------------------------------------------------
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker.parametrize(metafunc)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config) -> None:
-    # here, not at pytest_collection_finish: pytest calls that in a `finally`, also while a Ctrl-C or a
-    # CI runner's SIGTERM unwinds the collection, and a SPEC's import would then keep pytest waiting
-    options.validate_deferred_trainers(config, _controller(config).call_where_ranks_start)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

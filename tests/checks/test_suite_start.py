@@ -83,10 +83,11 @@ def _fork_servers_of(pid: int) -> list[int]:
 @pytest.mark.parametrize("interrupted", ["resolving", "collecting"])
 def test_a_ci_runner_s_sigterm_while_the_specs_are_resolved_leaves_no_process_or_directory(
         tmp_path: Path, interrupted: str) -> None:
-    """The fork server starts before the SPECs are resolved (in a process it forks, after collection): a
-    SIGTERM while either goes on (a CI job cancelled) must unwind pytest as Ctrl-C does, at once, so that
-    the fork server, the process resolving and the private directory go with it. Interrupted while
-    collecting, pytest still calls the hooks that end a collection: the SPEC must not be resolved then."""
+    """The fork server starts before the SPECs are resolved (in a process it forks, while pytest configures):
+    a SIGTERM while they are resolved, or while pytest collects (a CI job cancelled), must unwind pytest as
+    Ctrl-C does, at once, so that the fork server, the process resolving and the private directory go with
+    it. Interrupted while collecting, pytest still calls the hooks that end a collection: nothing may wait
+    there."""
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("needs Linux /proc to see the fork server")
     (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
@@ -94,9 +95,11 @@ def test_a_ci_runner_s_sigterm_while_the_specs_are_resolved_leaves_no_process_or
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = dict(os.environ, TMPDIR=str(temp))
-    tests = ["test_slow_to_collect.py"] if interrupted == "collecting" else []
+    # collecting: a SPEC resolved at once (built in), so that pytest gets to the slow test file
+    collecting = interrupted == "collecting"
+    tests, spec = (["test_slow_to_collect.py"], "torch") if collecting else ([], "slow_trainer.py:Trainer")
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-                             "ddp_conformance.suite", *tests, "--ddp-trainer", "slow_trainer.py:Trainer"],
+                             "ddp_conformance.suite", *tests, "--ddp-trainer", spec],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -150,6 +153,7 @@ def test_a_spec_is_resolved_where_the_ranks_imports_are_and_a_bad_one_is_still_o
     good.stdout.fnmatch_lines(["PYTEST IMPORTED: []" if spawn == "fork" else "PYTEST IMPORTED: ['lightning'*"])
     bad = pytester.runpytest_subprocess(*common, "--ddp-trainer", "lightning:lit_model.py:LitModl")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert not bad.stdout.lines, bad.stdout.str()  # before the session: no header, no collection
     assert bad.stderr.lines == ["ERROR: --ddp-trainer: 'lightning:lit_model.py:LitModl': lit_model.py has no attribute "
                                 "'LitModl' (Lightning classes there: LitModel)"] or bad.stderr.str()
 
@@ -178,5 +182,6 @@ def test_a_spec_importable_through_pytest_s_own_pythonpath_resolves_as_in_the_ra
     good.stdout.fnmatch_lines(["*test_conformance[[]trainer-rank_participation[]]*"])
     bad = pytester.runpytest_subprocess(*common, "--ddp-trainer", "mypkg.trainer:Trainr")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert not bad.stdout.lines, bad.stdout.str()  # before the session: no header, no collection
     assert bad.stderr.lines == ["ERROR: --ddp-trainer: 'mypkg.trainer:Trainr': mypkg.trainer has no attribute "
                                 "'Trainr' (adapters there: Trainer)"] or bad.stderr.str()

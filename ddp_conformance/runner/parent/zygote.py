@@ -179,8 +179,10 @@ class Zygote:
         child = ForkedRank(server, server.fork(call))
         try:
             code = child.wait()
-        except BaseException:
+        except BaseException:  # interrupted: the child goes, reaped by its server before this one may go too
             child.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=5)
             raise
         try:
             with open(result_path, encoding="utf-8") as result:
