@@ -24,7 +24,8 @@ def test_the_default_set_leaves_the_opt_in_checks_out(pytester: pytest.Pytester)
 
 @pytest.mark.parametrize(("value", "expected"), [
     ("nonfinite_loss", ["nonfinite_loss"]),
-    ("default,nonfinite_loss", list(CHECK_IDS)),
+    ("default,nonfinite_loss", [*DEFAULT_CHECKS, "nonfinite_loss"]),
+    ("compiled_model,default,nonfinite_loss", list(CHECK_IDS)),
     ("all", list(CHECK_IDS)),
     (" resume_fidelity , rank_participation ", ["rank_participation", "resume_fidelity"]),
 ])

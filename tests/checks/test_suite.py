@@ -185,6 +185,15 @@ def test_the_references_step_on_a_nonfinite_loss_as_the_guides_write_them(sessio
                                             "of its model's first layer, Linear)"), result
 
 
+def test_the_references_train_the_same_model_compiled_as_eager(session: dict[str, Any]) -> None:
+    """The opt-in compiled_model passes the references, within its fp32 tolerance, and compiled them itself."""
+    for spec in REFERENCES:
+        result = session["results"][spec]["compiled_model"]
+        figures = result["figures"]
+        assert result["outcome"] == "passed" and figures["compiled_by"] == "the check", result
+        assert figures["max_rel_delta"] <= figures["tolerance"], figures
+
+
 @pytest.mark.parametrize("path", MUTANTS, ids=[p.stem for p in MUTANTS])
 def test_mutant_fails_exactly_the_checks_it_breaks_and_the_verdict_names_the_bug(
         session: dict[str, Any], path: Path) -> None:

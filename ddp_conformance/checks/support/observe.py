@@ -271,7 +271,7 @@ class FitRecorder:
                  all_inputs: bool = False, keep_batches: bool = False,
                  on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
                  digest_steps: bool = False, watch_norms: bool = False, watch_start: bool = False,
-                 keep_params_at: int | None = None) -> None:
+                 keep_params_at: int | None = None, model_hooks_only: bool = False) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
@@ -281,7 +281,10 @@ class FitRecorder:
         DIGESTED_STEPS steps (`FitRecord.step_digests`; 9 ms a step for 58 MB of parameters).
         `watch_norms`: record the BatchNorm layers' first micro-batch (`norm_stats.NormWatch`).
         `watch_start`: digest the model's tensors at its first forward and at the fit's end (`start_state`).
-        `keep_params_at=j`: keep the parameters right after optimizer step j (`FitRecord.kept_params`)."""
+        `keep_params_at=j`: keep the parameters right after optimizer step j (`FitRecord.kept_params`).
+        `model_hooks_only`: once the first micro-batch names the model, its forward hooks move from every
+        module to that model alone, so that a forward compiled from then on traces none of them (dynamo would
+        break its graph at every module they run on, and hide what the one compiled graph does)."""
         self.record = FitRecord()
         self._keep_params_at = keep_params_at
         self._watch_start = watch_start
@@ -294,6 +297,8 @@ class FitRecorder:
         self._all_inputs = all_inputs
         self._keep_batches = keep_batches and first_step
         self._on_first_micro_batch = on_first_micro_batch
+        self._model_hooks_only = model_hooks_only
+        self._forward_hooks: list[Any] = []  # the global forward hooks' handles
         self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
         self.listener = listener
         self.rank = rank
@@ -310,8 +315,10 @@ class FitRecorder:
             raise RuntimeError("a FitRecorder is already recording in this process")
         self._stack.callback(FitRecorder._lock.release)
         self._torch = torch
-        self._stack.callback(register_module_forward_pre_hook(self._on_forward).remove)
-        self._stack.callback(register_module_forward_hook(self._on_forward_end, always_call=True).remove)
+        self._forward_hooks = [register_module_forward_pre_hook(self._on_forward),
+                               register_module_forward_hook(self._on_forward_end, always_call=True)]
+        for handle in self._forward_hooks:
+            self._stack.callback(handle.remove)
         self._stack.callback(register_optimizer_step_pre_hook(self._on_optimizer_pre_step).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
         self._patch(DataLoader, "__iter__", self._loader_iter)
@@ -363,6 +370,8 @@ class FitRecorder:
         first = record.micro_batches == 0
         if first and self._on_first_micro_batch is not None:
             self._on_first_micro_batch(model)
+        if first and self._model_hooks_only:
+            self._hook_the_model_alone(model)
         if first:
             record.model_type, record.model = type(model).__name__, model
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
@@ -399,6 +408,14 @@ class FitRecorder:
             self.listener.on_wrapped(model)
         self._open = self._step_info(model, training)
         self.listener.before_step(self._open)
+
+    def _hook_the_model_alone(self, model: Any) -> None:
+        """Forward hooks on `model` only, in place of the global ones (called from its first forward's pre-hook:
+        its forward hook, registered now, still ends this forward)."""
+        for handle in self._forward_hooks:
+            handle.remove()
+        self._stack.callback(model.register_forward_pre_hook(self._on_forward).remove)
+        self._stack.callback(model.register_forward_hook(self._on_forward_end, always_call=True).remove)
 
     def _keep_batch(self, first: FirstStep, newest: int) -> None:
         """The batch the newest pass last yielded, for this micro-batch of the first step."""
@@ -461,7 +478,8 @@ class FitRecorder:
         record = self.record
 
         def seen(grad: Any) -> None:
-            if not record.local_grad_nonzero:
+            # a compiled graph's backward hands a parameter it did not use a None gradient (eager: no call)
+            if not record.local_grad_nonzero and grad is not None:
                 record.local_grad_nonzero = nonzero(grad)
 
         for param in unwrapped(model).parameters():

@@ -646,3 +646,31 @@ def test_a_fit_that_ends_between_two_polls_has_its_end_written_before_the_watch_
     _watch(SimpleNamespace(world_size=1, stall_after=5.0), observer, EndsWhenAsked(), 1)
     written = read_all(tmp_path, 1)[0]
     assert written is not None and written.state == "error" and "FloatingPointError" in written.error
+
+
+def test_with_model_hooks_only_the_recorder_leaves_every_other_module_s_forward_unhooked():
+    """compiled_model's fits: a forward compiled after the first micro-batch traces none of the recorder's hooks,
+    which still count every micro-batch of the model; an unused parameter's None gradient is no gradient."""
+    import torch
+    from torch import nn
+    from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+    from ddp_conformance.checks.support.observe import FitRecorder
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    spare = nn.Linear(3, 3)  # a parameter the graph never uses
+    model.add_module("spare", spare)
+    model.forward = lambda x: model[2](model[1](model[0](x)))  # type: ignore[method-assign]
+    before = (len(_global_forward_pre_hooks), len(_global_forward_hooks))
+    with FitRecorder(model_hooks_only=True) as recorder:
+        assert (len(_global_forward_pre_hooks), len(_global_forward_hooks)) == (before[0] + 1, before[1] + 1)
+        for step in range(3):
+            output = model(torch.randn(2, 3))
+            assert (len(_global_forward_pre_hooks), len(_global_forward_hooks)) == before
+            assert not model[0]._forward_pre_hooks and len(model._forward_pre_hooks) == 1
+            if step == 0:  # before any gradient: as a compiled backward calls it for a parameter it did not use
+                for hook in spare.weight._backward_hooks.values():
+                    hook(None)
+            output.sum().backward()
+    assert recorder.record.micro_batches == 3 and recorder.record.model is model
+    assert not model._forward_pre_hooks and not model._forward_hooks

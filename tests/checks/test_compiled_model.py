@@ -1,0 +1,113 @@
+"""compiled_model's pieces, and its other side: a trainer that compiles its model itself.
+
+The check reads torch's private per-module hook dicts to name a hook registered after the first forward,
+and patches inductor's `fallback_random` so that a compiled fit draws eager's dropout masks: both are
+guarded here, so that a torch that renames them fails a test instead of the check going quiet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_conformance.checks.compiled_model import (
+    HOOK_DICTS,
+    TOLERANCE,
+    compile_in_place,
+    dropout_layers,
+    module_hooks,
+    same_random_numbers,
+)
+from tests.checks.test_suite import run_nested
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPILES_ITSELF = ROOT / "fixtures" / "compiled" / "compiles_itself.py"
+
+
+def test_every_module_keeps_its_hooks_where_the_check_reads_them() -> None:
+    layer = nn.Linear(2, 2)
+    for attribute in HOOK_DICTS:
+        assert isinstance(getattr(layer, attribute), dict), attribute
+
+    def tap(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        return None
+
+    model = nn.Sequential(layer, nn.ReLU())
+    before = module_hooks(model)
+    handle = layer.register_forward_hook(tap)
+    layer.register_forward_pre_hook(lambda module, args: None)
+    added = {key: name for key, name in module_hooks(model).items() if key not in before}
+    assert sorted((key[0], key[1], name.rsplit(".", 1)[-1]) for key, name in added.items()) == [
+        ("0", "forward hook", "tap"), ("0", "forward pre-hook", "<lambda>")]
+    handle.remove()
+    assert len(module_hooks(model)) == len(before) + 1
+
+
+def test_a_compiled_model_draws_the_eager_dropout_masks_with_fallback_random() -> None:
+    """What comparing a script with dropout step for step rests on (fixture script_compiled_hook_and_dropout)."""
+    def step(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+        if compiled:
+            compile_in_place(model)
+        torch.manual_seed(1)
+        model(torch.ones(4, 8)).sum().backward()
+        return model[0].weight.grad
+
+    with same_random_numbers():
+        compiled = step(True)
+    assert torch.equal(step(False), compiled)
+
+
+def test_a_lightning_module_is_compiled_as_lightning_compiles_it() -> None:
+    class Stepper(nn.Module):  # the shape the check looks for: a module with a training_step
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            return self.net(batch).sum()
+
+    class Wrapper(nn.Module):  # Lightning's strategy wraps the LightningModule before DDP does
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Stepper()
+
+    wrapper = Wrapper()
+    compile_in_place(wrapper)
+    assert "forward" in vars(wrapper.inner) and "training_step" in vars(wrapper.inner)
+    assert "forward" not in vars(wrapper)
+    plain = nn.Linear(2, 2)
+    compile_in_place(plain)
+    assert "forward" in vars(plain)
+
+
+def test_dropout_that_draws_is_found_in_layers_and_attention() -> None:
+    model = nn.Sequential(nn.Dropout(0.0), nn.Dropout2d(0.1), nn.MultiheadAttention(4, 2, dropout=0.2),
+                          nn.MultiheadAttention(4, 2))
+    assert [type(m).__name__ for m in dropout_layers(model)] == ["Dropout2d", "MultiheadAttention"]
+
+
+def test_every_precision_a_guide_config_trains_in_on_cpu_has_a_measured_tolerance() -> None:
+    assert {"32", "32-true", "bf16-mixed"} <= set(TOLERANCE)
+
+
+def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(tmp_path: Path) -> None:
+    specs = [f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
+    results = run_nested(tmp_path, [(spec, "compiled_model") for spec in specs])["results"]
+    control, mutant = (results[spec]["compiled_model"] for spec in specs)
+    if not hasattr(torch.compiler, "set_stance"):
+        for result in (control, mutant):
+            assert result["outcome"] == "skipped" and "set_stance arrived in 2.6" in result["message"], result
+        return
+    assert control["outcome"] == "passed" and control["figures"]["compiled_by"] == "the trainer", control
+    assert mutant["outcome"] == "failed", mutant
+    assert mutant["message"].startswith("the fit registers module hooks after its first forward (forward hook "
+                                        "HookAfterWarmup._keep_features on '0')"), mutant
+
+
+if not hasattr(torch, "compile"):  # pragma: no cover - every torch pyproject.toml admits has it
+    pytest.skip("torch.compile is missing", allow_module_level=True)
