@@ -178,13 +178,17 @@ def _compile_supported() -> None:
         pytest.skip(f"torch.compile is not supported here: {str(exc).splitlines()[0]}")
 
 
-def same_random_numbers() -> Any:
-    """Inductor draws dropout's random numbers with its own generator unless told to call eager's ops
-    (`torch._inductor.config.fallback_random`, the switch torch's accuracy-debugging docs give for this): with it the
-    compiled fit draws the eager fit's masks, so that a model with dropout is compared step for step."""
-    import torch._inductor.config as inductor_config  # deferred: imports the compiler; guarded by a test
+def inductor_settings() -> Any:
+    """Inductor's settings for the compiled fit (`torch._inductor.config`; tests/checks/test_compiled_model.py):
+    - `fallback_random`: inductor draws dropout's random numbers with its own generator unless told to call eager's
+      ops (the switch torch's accuracy-debugging docs give for this), so that a model with dropout the check cannot
+      set to 0 (a script's functional dropout) draws the eager fit's masks;
+    - `compile_threads=1`: the compile runs in the rank's own thread, not in a pool of worker processes the rank
+      waits on, which the hang watchdog took for a stall (a cold compile on a loaded 2-core machine: 8 s without
+      progress) and which would outlive the check."""
+    import torch._inductor.config as inductor_config  # deferred: imports the compiler
 
-    return inductor_config.patch(fallback_random=True)
+    return inductor_config.patch(fallback_random=True, compile_threads=1)
 
 
 def _fit(ctx: CheckContext, label: str, watch: CompileOnWrap,
@@ -193,7 +197,7 @@ def _fit(ctx: CheckContext, label: str, watch: CompileOnWrap,
     adapter = ctx.adapter(shared_fit.steady_config(ctx))
 
     def call(observer: FitObserver) -> TrainState:
-        with torch.compiler.set_stance("force_eager") if eager else nullcontext(), same_random_numbers():
+        with torch.compiler.set_stance("force_eager") if eager else nullcontext(), inductor_settings():
             return adapter.fit(STEPS, observer=observer)
 
     try:

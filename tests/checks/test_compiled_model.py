@@ -1,8 +1,9 @@
 """compiled_model's pieces, and its other side: a trainer that compiles its model itself.
 
 The check reads torch's private per-module hook dicts to name a hook registered after the first forward,
-and patches inductor's `fallback_random` so that a compiled fit draws eager's dropout masks: both are
-guarded here, so that a torch that renames them fails a test instead of the check going quiet.
+and patches inductor's `fallback_random` (a compiled fit draws eager's dropout masks) and `compile_threads`
+(no worker processes): all are guarded here (`config.patch` refuses a key it does not know), so that a torch
+that renames them fails a test instead of the check going quiet.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from ddp_conformance.checks.compiled_model import (
     TOLERANCE,
     compile_in_place,
     dropout_layers,
+    inductor_settings,
     module_hooks,
-    same_random_numbers,
 )
 from tests.checks.test_suite import run_nested
 
@@ -57,7 +58,7 @@ def test_a_compiled_model_draws_the_eager_dropout_masks_with_fallback_random() -
         model(torch.ones(4, 8)).sum().backward()
         return model[0].weight.grad
 
-    with same_random_numbers():
+    with inductor_settings():
         compiled = step(True)
     assert torch.equal(step(False), compiled)
 

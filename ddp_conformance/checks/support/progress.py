@@ -81,6 +81,8 @@ class Progress:
     host: str = field(default_factory=socket.gethostname)
     # the thread that watches (made in `guarded_fit`'s thread): not counted, as it only polls files
     watcher: int = field(default_factory=threading.get_native_id)
+    # the thread the fit runs in (0: not begun): the processes it starts work for the rank (RunnableBeat)
+    fit_thread: int = 0
 
     @property
     def stopped(self) -> bool:
@@ -263,6 +265,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     box: dict[str, Any] = {}
 
     def target() -> None:
+        observer.progress.fit_thread = threading.get_native_id()
         try:
             # progress comes from the fit's own forwards and steps (the recorder's hooks); the
             # adapter's observer calls, if it makes any, only add the losses it reports
@@ -318,7 +321,8 @@ class RunnableBeat:
     machine, and a blocked thread is neither. CPU time alone is not enough: with two test workers on
     a 2-core CI machine a computing rank got less than `BUSY_CPU_FRACTION` of a core, and a fit that only
     computed was taken for a hang. The rank's watching thread is left out: it only polls these
-    files, and under load a woken poller waits in the run queue too. Without schedstat, the process's
+    files, and under load a woken poller waits in the run queue too. The threads of the processes the fit's
+    thread started count as the rank's own (a compiler it waits for). Without schedstat, the process's
     CPU time (utime + stime) stands in. (A thread that ends within a window takes its share along.)"""
 
     def __init__(self) -> None:
@@ -336,7 +340,7 @@ class RunnableBeat:
             start = self.since.get(p.pid)
             if start is not None and now - start[0] < BUSY_WINDOW:
                 continue
-            counters = self._counters(p.pid, p.watcher)
+            counters = self._counters(p.pid, p.watcher, p.fit_thread)
             if counters is None:
                 continue
             if start is not None and ("cpu" in counters) == ("cpu" in start[1]):  # else: a new window
@@ -346,7 +350,7 @@ class RunnableBeat:
             self.since[p.pid] = (now, counters)
         return busy
 
-    def _counters(self, pid: int, watcher: int) -> dict[str, float] | None:
+    def _counters(self, pid: int, watcher: int, fit_thread: int = 0) -> dict[str, float] | None:
         """Seconds each thread but the watcher ran or waited to run; {"cpu": utime + stime} where
         schedstat cannot be read (or reads all zeros: a kernel without schedstats and delay
         accounting; every live thread has run); None when the process is gone."""
@@ -355,16 +359,42 @@ class RunnableBeat:
         except OSError:
             return None
         counters: dict[str, float] = {}
-        for tid in threads:
+        started = _descendant_threads(pid, fit_thread) if fit_thread else []
+        for process, tid in [*((pid, tid) for tid in threads), *started]:
             try:
-                ran, waited = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+                ran, waited = Path(f"/proc/{process}/task/{tid}/schedstat").read_text().split()[:2]
             except (OSError, ValueError):
                 continue  # the thread ended, or no schedstat here
-            counters[tid] = (int(ran) + int(waited)) / 1e9
+            counters[tid if process == pid else f"{process}/{tid}"] = (int(ran) + int(waited)) / 1e9
         if any(counters.values()) or not threads:
             return counters
         cpu = cpu_seconds(pid)
         return None if cpu is None else {"cpu": cpu}
+
+
+def _descendant_threads(pid: int, thread: int, most: int = 64) -> list[tuple[int, str]]:
+    """(process, thread) of every process thread `thread` of `pid` started, and of theirs: work the fit waits for
+    in a child (a cold torch.compile runs g++, whose cc1plus computes, while the fit's thread sleeps) is the rank's.
+    Only the fit's thread's: another thread's child (a logger, a prefetch server) says nothing of the fit."""
+    found: list[tuple[int, str]] = []
+    parents = _children(pid, str(thread))
+    while parents and len(found) < most:
+        process = parents.pop()
+        try:
+            tasks = os.listdir(f"/proc/{process}/task")
+        except OSError:
+            continue  # gone
+        for tid in tasks:
+            found.append((process, tid))
+            parents += _children(process, tid)
+    return found
+
+
+def _children(pid: int, tid: str) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []  # gone, or a kernel without the children file
 
 
 def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thread, steps: int) -> list[Progress]:

@@ -159,7 +159,7 @@ def _beat_over(seconds: float, work) -> tuple[bool, float]:
 
     thread = threading.Thread(target=worker)
     thread.start()
-    beat, me = RunnableBeat(), [Progress(rank=0)]
+    beat, me = RunnableBeat(), [Progress(rank=0, fit_thread=thread.native_id or 0)]
     began = time.monotonic()
     busy = False
     while time.monotonic() - began < seconds:
@@ -205,6 +205,40 @@ def test_a_thread_computing_on_an_overloaded_core_is_busy_and_a_blocked_one_is_n
     assert not busy
 
 
+def test_a_rank_waiting_for_a_compiler_it_started_computes():
+    """A cold torch.compile on a CPU runs g++ (which runs cc1plus) while the rank's thread waits: on a loaded
+    2-core machine that read as 8 s without progress, a hang. Here a child waits on a grandchild that computes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    spin = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"
+
+    def compile_in_a_child(stop) -> None:
+        driver = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True)
+        try:
+            stop.wait()
+        finally:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+
+    busy, _ = _beat_over(1.5, compile_in_a_child)
+    assert busy
+    # the same child of another thread of the rank says nothing of its fit
+    import threading
+
+    stop = threading.Event()
+    elsewhere = threading.Thread(target=compile_in_a_child, args=(stop,))
+    elsewhere.start()
+    try:
+        busy, _ = _beat_over(1.5, lambda stop: stop.wait())
+    finally:
+        stop.set()
+        elsewhere.join()
+    assert not busy
+
+
 def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(monkeypatch):
     """Judged per thread: five wakers that each waited 12% of a window (a loaded machine) summed to
     60%, and a blocked rank read as computing in CI; one thread runnable 90% of it is computing."""
@@ -213,7 +247,7 @@ def test_a_rank_computes_when_one_thread_is_runnable_not_when_many_wake_briefly(
     def beat_over(per_thread: list[float]) -> bool:
         counters = [{str(tid): 0.0 for tid in range(len(per_thread))},
                     {str(tid): share * BUSY_WINDOW for tid, share in enumerate(per_thread)}]
-        monkeypatch.setattr(RunnableBeat, "_counters", lambda self, pid, watcher: counters.pop(0))
+        monkeypatch.setattr(RunnableBeat, "_counters", lambda self, pid, watcher, fit_thread: counters.pop(0))
         beat, rank = RunnableBeat(), [Progress(rank=0)]
         return beat.busy(rank, 0.0) or beat.busy(rank, BUSY_WINDOW)
 
