@@ -154,7 +154,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         eager, error = _fit(ctx, "eager", watches[0], eager=own)
         if error is not None:  # the fit raises without compile too: the trainer's own error
             raise error
-    compiled_state, error = _fit(ctx, "compiled", watches[1]) if not own or dropout else (steady.state, None)
+    # a trainer that compiles itself too: its shared fit may have compiled earlier in this process (below, `_fit`)
+    compiled_state, error = _fit(ctx, "compiled", watches[1])
     if error is not None:
         return _raised(ctx, error, figures)
     assert eager is not None and compiled_state is not None
@@ -200,6 +201,11 @@ def _fit(ctx: CheckContext, label: str, watch: CompileOnWrap,
         with torch.compiler.set_stance("force_eager") if eager else nullcontext(), inductor_settings():
             return adapter.fit(STEPS, observer=observer)
 
+    # dynamo keeps compiled code per code object (nn.Sequential.forward is every Sequential's), guarded on the
+    # parameters' shapes but not on module hooks: a fit compiled earlier in this rank process (another trainer of
+    # the session with the same layers) was reused for the next one's model with its own hooks, and ran without
+    # them (a control with a hook from its first forward failed in CI, 0.0226 apart): every fit compiles afresh
+    torch.compiler.reset()
     try:
         state, _ = guarded_fit(ctx, label, STEPS, call, inner=watch, model_hooks_only=True)
     except (AdapterError, PeerFitFailed) as exc:

@@ -26,6 +26,7 @@ from tests.checks.test_suite import run_nested
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILES_ITSELF = ROOT / "fixtures" / "compiled" / "compiles_itself.py"
+MUTANTS = ROOT / "fixtures" / "mutants"
 
 
 def test_every_module_keeps_its_hooks_where_the_check_reads_them() -> None:
@@ -94,6 +95,18 @@ def test_dropout_that_draws_is_found_in_layers_and_attention() -> None:
 
 def test_every_precision_a_guide_config_trains_in_on_cpu_has_a_measured_tolerance() -> None:
     assert {"32", "32-true", "bf16-mixed"} <= set(TOLERANCE)
+
+
+def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_trainer_s_model(tmp_path: Path) -> None:
+    """The same layers in two scripts of one session: the first registers its hook after the first forward, the
+    second from the start. Dynamo's code cache for nn.Sequential.forward does not guard on hooks, so the second,
+    compiled, reused the first's graph and ran without its hook (CI, once the matrix ran them in this order)."""
+    scripts = [MUTANTS / "script_clamp_hook_after_warmup.py", MUTANTS / "script_compiled_hook_and_dropout.py"]
+    specs = [f"script:{script} --steps {{steps}}" for script in scripts]
+    results = run_nested(tmp_path, [(spec, "compiled_model") for spec in specs])["results"]
+    first, second = (results[spec]["compiled_model"] for spec in specs)
+    assert first["outcome"] == "failed" and "registers module hooks after its first forward" in first["message"]
+    assert second["outcome"] == "passed", second
 
 
 def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(tmp_path: Path) -> None:
