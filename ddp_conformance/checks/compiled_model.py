@@ -19,8 +19,9 @@ states (parameters and buffers) are compared per tensor, relative to each tensor
 Verdicts: final states apart beyond the tolerance fail, naming the worst tensor and, where the fit
 registered module hooks after its first forward, those hooks; a compiled fit that raises where the eager
 one trains fails with its error's first line. Skips, with the reason: a Python torch.compile does not
-support, a fit through no DDP, a precision without a measured tolerance, a trainer that compiles itself on
-a torch without `set_stance`, a bucket cap dynamo's DDPOptimizer refuses to split the graph at.
+support, a machine without a C++ compiler inductor can run, a fit through no DDP, a precision without a
+measured tolerance, a trainer that compiles itself on a torch without `set_stance`, a bucket cap dynamo's
+DDPOptimizer refuses to split the graph at.
 
 Opt-in (`--ddp-checks compiled_model`): compiling costs seconds a trainer on a CPU.
 """
@@ -54,6 +55,8 @@ TOLERANCE = {"32": 1e-3, "32-true": 1e-3, "bf16-mixed": 5e-3}
 DDP_OPTIMIZER = "_dynamo/backends/distributed.py"
 #: where torch.compile's wrapper (OptimizedModule) keeps the module it compiled
 COMPILED_PREFIX = "_orig_mod"
+#: what inductor raises where the machine has no C++ compiler it can run (torch._inductor.exc)
+NO_COMPILER = "InvalidCxxCompiler"
 #: the dropout layers that draw from the RNG as the model trains
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 #: the module attributes holding its hooks, by the words a verdict names them with (torch keeps them in these
@@ -218,12 +221,25 @@ def _raised(ctx: CheckContext, error: BaseException, figures: dict[str, Any]) ->
     cause = error.__cause__ if error.__cause__ is not None else error
     text = str(cause).strip()
     raised = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    if NO_COMPILER in raised or any(type(e).__name__ == NO_COMPILER for e in _chain(cause)):
+        pytest.skip(f"inductor finds no working C++ compiler on this machine ({raised}), so torch.compile cannot "
+                    "compile for the CPU here: there is no compiled fit to compare (torch._inductor.config.cpp.cxx, or "
+                    "$CXX)")
     if any(DDP_OPTIMIZER in frame.filename.replace("\\", "/") for frame in traceback.extract_tb(cause.__traceback__)):
         pytest.skip(f"torch.compile cannot split this DDP model's graph at its buckets: dynamo's DDPOptimizer "
                     f"refuses it ({raised}; a bucket_cap_mb below DDP's 1 MB first bucket does this), so there is no "
                     "compiled fit to compare (torch._dynamo.config.optimize_ddp=False compiles without the split)")
     raise ctx.fail(f"under torch.compile the fit raises where the eager fit trains: {raised}", compiled_fit="raised",
                    **figures)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """The error and those it was raised from or while handling (inductor wraps its own in a backend error)."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 16:
+        chain.append(error)
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return chain
 
 
 def _apart(name: str, relative: float, tolerance: float, hooks: list[str]) -> str:

@@ -109,6 +109,14 @@ def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_tr
     assert second["outcome"] == "passed", second
 
 
+def test_a_machine_without_a_cxx_compiler_is_a_skip_not_the_trainer_s_failure(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))  # inductor's compiler for the CPU (config.cpp.cxx)
+    result = run_nested(tmp_path / "session", [("torch", "compiled_model")])["results"]["torch"]["compiled_model"]
+    assert result["outcome"] == "skipped", result
+    assert result["message"].startswith("inductor finds no working C++ compiler on this machine"), result
+
+
 def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(tmp_path: Path) -> None:
     specs = [f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
     results = run_nested(tmp_path, [(spec, "compiled_model") for spec in specs])["results"]
