@@ -115,6 +115,8 @@ def _parse(item: pytest.Item) -> DdpTest | None:
     else:
         sizes = _sizes(marker, item.nodeid)
         requested = sizes[0] if sizes else None
-    timeout = _timeout(marker, item.nodeid) or settings.timeout
+    # the closest marker that gives a timeout: a parametrized case's own marker may give one its function's omits
+    timeouts = (_timeout(mark, item.nodeid) for mark in item.iter_markers("ddp"))
+    timeout = next((seconds for seconds in timeouts if seconds is not None), None) or settings.timeout
     return DdpTest(world_size=requested or settings.world_size, requested_size=requested, timeout=timeout,
                    preload=_preload(marker, item.nodeid))

@@ -19,6 +19,7 @@ from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import run_config, session_trainers, settings_of
 from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
 from ddp_conformance.runner.wire import WARMUP
+from ddp_conformance.selection import LEAST_TIMEOUT
 from ddp_conformance.trainers.spec import TrainerSpec
 
 
@@ -30,10 +31,17 @@ def parsed_trainers(config: pytest.Config) -> dict[str, TrainerSpec]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.name != "test_conformance":
         return
-    checks = settings_of(metafunc.config).checks  # `--ddp-checks`
-    params = [pytest.param(text, check, id=f"{spec.label}-{check}")
-              for text, spec in parsed_trainers(metafunc.config).items() for check in checks]
+    settings = settings_of(metafunc.config)
+    params = [pytest.param(text, check, id=f"{spec.label}-{check}", marks=_least_timeout(check, settings.timeout))
+              for text, spec in parsed_trainers(metafunc.config).items() for check in settings.checks]
     metafunc.parametrize(("trainer", "check"), params)
+
+
+def _least_timeout(check: str, timeout: float) -> list[pytest.MarkDecorator]:
+    """A check that needs longer than the session's timeout before a hang can be told (`LEAST_TIMEOUT`) gets it, in
+    a marker of its case: the function's gives no timeout, so this one's is the closest that does."""
+    least = LEAST_TIMEOUT.get(check, 0.0)
+    return [pytest.mark.ddp(timeout=least)] if least > timeout else []
 
 
 @pytest.fixture(scope="session")

@@ -64,3 +64,20 @@ def test_the_selection_is_the_union_of_its_words_in_suite_order(words: list[str]
 def test_an_empty_selection_is_refused() -> None:
     with pytest.raises(ValueError, match="expected check ids or default, all"):
         parse_checks(" , ")
+
+
+def test_a_check_that_compiles_gets_its_least_timeout_and_the_others_the_session_s(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(timeout_probe="""
+        from ddp_conformance.marker import ddp_test
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                test = ddp_test(item)
+                print("TIMEOUT", item.callspec.params["check"], test.timeout, test.preload)
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "timeout_probe", "--collect-only", "-q",
+                                           "-s", "--pyargs", "ddp_conformance.suite", "--ddp-trainer", "torch",
+                                           "--ddp-timeout", "20", "--ddp-checks", "rank_participation,compiled_model")
+    lines = [line.split()[1:] for line in result.stdout.lines if line.startswith("TIMEOUT")]
+    assert [words[:2] for words in lines] == [["rank_participation", "20.0"], ["compiled_model", "120.0"]], lines
+    assert lines[0][2:] == lines[1][2:] and "torch._dynamo" in " ".join(lines[0][2:]), lines  # the preload kept

@@ -93,3 +93,38 @@ def test_the_name_in_pytests_plugins_line_turns_the_plugin_off(pytester: pytest.
     off = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", f"no:{name}")
     off.assert_outcomes(passed=1)
     assert "ddp-conformance" not in off.stdout.str()
+
+
+def test_a_timeout_comes_from_the_closest_ddp_marker_that_gives_one(pytester: pytest.Pytester) -> None:
+    """A case's own marker (the conformance suite gives compiled_model a longer one), else the function's, else the
+    module's; a marker without a timeout does not hide an outer one's."""
+    pytester.makeconftest("""
+        from ddp_conformance.marker import ddp_test
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                print("TIMEOUT", item.name, ddp_test(item).timeout)
+    """)
+    pytester.makepyfile("""
+        import pytest
+
+        pytestmark = pytest.mark.ddp(timeout=7)
+
+        @pytest.mark.ddp(world_size=1)
+        def test_module_s(ddp):
+            pass
+
+        @pytest.mark.ddp(world_size=1, timeout=3)
+        def test_own(ddp):
+            pass
+
+        @pytest.mark.ddp(world_size=1)
+        @pytest.mark.parametrize("case", [1, pytest.param(2, marks=pytest.mark.ddp(timeout=50))])
+        def test_case_s(ddp, case):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q", "-s",
+                                           "--ddp-timeout", "11")
+    lines = sorted(line for line in result.stdout.lines if line.startswith("TIMEOUT"))
+    assert lines == ["TIMEOUT test_case_s[1] 7.0", "TIMEOUT test_case_s[2] 50.0", "TIMEOUT test_module_s 7.0",
+                     "TIMEOUT test_own 3.0"], result.stdout.str()
