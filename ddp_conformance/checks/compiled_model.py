@@ -55,6 +55,8 @@ TOLERANCE = {"32": 1e-3, "32-true": 1e-3, "bf16-mixed": 5e-3}
 DDP_OPTIMIZER = "_dynamo/backends/distributed.py"
 #: where torch.compile's wrapper (OptimizedModule) keeps the module it compiled
 COMPILED_PREFIX = "_orig_mod"
+#: what torch.compile's function keeps the function it compiled in (torch._dynamo.eval_frame; guarded by a test)
+DYNAMO_WRAPPED = "_torchdynamo_orig_callable"
 #: what inductor raises where the machine has no C++ compiler it can run (torch._inductor.exc)
 NO_COMPILER = "InvalidCxxCompiler"
 #: the dropout layers that draw from the RNG as the model trains
@@ -125,9 +127,14 @@ def dropout_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def compiled(model: nn.Module) -> bool:
-    """Whether the trainer compiled `model` (or the module its DDP wraps) itself."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, COMPILED_PREFIX)
-               for m in (model, getattr(model, "module", None)) if m is not None)
+    """Whether the trainer compiled the model its DDP wraps itself: `torch.compile(model)` (an OptimizedModule),
+    `model.compile()`, or a method compiled in place (Lightning's `Trainer.fit(torch.compile(module))`)."""
+    for module in (model, *unwrapped(model).modules()):
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, COMPILED_PREFIX):
+            return True
+        if any(hasattr(vars(module).get(method), DYNAMO_WRAPPED) for method in ("forward", "training_step")):
+            return True
+    return False
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:

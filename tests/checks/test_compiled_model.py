@@ -18,6 +18,7 @@ from ddp_conformance.checks.compiled_model import (
     HOOK_DICTS,
     TOLERANCE,
     compile_in_place,
+    compiled,
     dropout_layers,
     inductor_settings,
     module_hooks,
@@ -85,6 +86,20 @@ def test_a_lightning_module_is_compiled_as_lightning_compiles_it() -> None:
     plain = nn.Linear(2, 2)
     compile_in_place(plain)
     assert "forward" in vars(plain)
+
+
+def test_a_model_the_trainer_compiled_itself_is_recognised_in_every_form() -> None:
+    def fresh() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2))
+
+    assert not compiled(fresh())
+    assert compiled(nn.Sequential(torch.compile(fresh())))  # DDP(torch.compile(model)), nanoGPT's
+    method = fresh()
+    method.compile()
+    assert compiled(nn.Sequential(method))
+    in_place = fresh()
+    compile_in_place(in_place)  # as Lightning compiles a LightningModule's methods
+    assert compiled(nn.Sequential(in_place))
 
 
 def test_dropout_that_draws_is_found_in_layers_and_attention() -> None:
