@@ -9,6 +9,7 @@ that renames them fails a test instead of the check going quiet.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,14 +113,23 @@ def test_every_precision_a_guide_config_trains_in_on_cpu_has_a_measured_toleranc
     assert {"32", "32-true", "bf16-mixed"} <= set(TOLERANCE)
 
 
-def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_trainer_s_model(tmp_path: Path) -> None:
+SCRIPTS = [MUTANTS / "script_clamp_hook_after_warmup.py", MUTANTS / "script_compiled_hook_and_dropout.py"]
+SESSION_SPECS = [f"script:{script} --steps {{steps}}" for script in SCRIPTS] + [
+    f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
+
+
+@pytest.fixture(scope="module")  # one nested session (a pool of ranks) for the tests below
+def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pairs = [(spec, "compiled_model") for spec in SESSION_SPECS]
+    return run_nested(tmp_path_factory.mktemp("compiled"), pairs)["results"]
+
+
+def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_trainer_s_model(
+        session: dict[str, Any]) -> None:
     """The same layers in two scripts of one session: the first registers its hook after the first forward, the
     second from the start. Dynamo's code cache for nn.Sequential.forward does not guard on hooks, so the second,
     compiled, reused the first's graph and ran without its hook (CI, once the matrix ran them in this order)."""
-    scripts = [MUTANTS / "script_clamp_hook_after_warmup.py", MUTANTS / "script_compiled_hook_and_dropout.py"]
-    specs = [f"script:{script} --steps {{steps}}" for script in scripts]
-    results = run_nested(tmp_path, [(spec, "compiled_model") for spec in specs])["results"]
-    first, second = (results[spec]["compiled_model"] for spec in specs)
+    first, second = (session[spec]["compiled_model"] for spec in SESSION_SPECS[:2])
     assert first["outcome"] == "failed" and "registers module hooks after its first forward" in first["message"]
     assert second["outcome"] == "passed", second
 
@@ -132,10 +142,8 @@ def test_a_machine_without_a_cxx_compiler_is_a_skip_not_the_trainer_s_failure(tm
     assert result["message"].startswith("inductor finds no working C++ compiler on this machine"), result
 
 
-def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(tmp_path: Path) -> None:
-    specs = [f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
-    results = run_nested(tmp_path, [(spec, "compiled_model") for spec in specs])["results"]
-    control, mutant = (results[spec]["compiled_model"] for spec in specs)
+def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(session: dict[str, Any]) -> None:
+    control, mutant = (session[spec]["compiled_model"] for spec in SESSION_SPECS[2:])
     if not hasattr(torch.compiler, "set_stance"):
         for result in (control, mutant):
             assert result["outcome"] == "skipped" and "set_stance arrived in 2.6" in result["message"], result
@@ -144,7 +152,3 @@ def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eag
     assert mutant["outcome"] == "failed", mutant
     assert mutant["message"].startswith("the fit registers module hooks after its first forward (forward hook "
                                         "HookAfterWarmup._keep_features on '0')"), mutant
-
-
-if not hasattr(torch, "compile"):  # pragma: no cover - every torch pyproject.toml admits has it
-    pytest.skip("torch.compile is missing", allow_module_level=True)
