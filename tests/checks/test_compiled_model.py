@@ -24,7 +24,18 @@ from ddp_conformance.checks.compiled_model import (
     inductor_settings,
     module_hooks,
 )
-from tests.checks.test_suite import run_nested
+from tests.checks.test_suite import (
+    MUTANTS as ALL_FIXTURES,
+)
+from tests.checks.test_suite import (
+    REFERENCES,
+    assert_as_declared,
+    declared,
+    planned,
+    run_grouped,
+    run_nested,
+    spec_of,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILES_ITSELF = ROOT / "fixtures" / "compiled" / "compiles_itself.py"
@@ -114,14 +125,36 @@ def test_every_precision_a_guide_config_trains_in_on_cpu_has_a_measured_toleranc
 
 
 SCRIPTS = [MUTANTS / "script_clamp_hook_after_warmup.py", MUTANTS / "script_compiled_hook_and_dropout.py"]
-SESSION_SPECS = [f"script:{script} --steps {{steps}}" for script in SCRIPTS] + [
-    f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
+SCRIPT_SPECS = [spec_of(script) for script in SCRIPTS]  # in this order in the session: the first compiles first
+ITSELF = [f"{COMPILES_ITSELF}:Compiled", f"{COMPILES_ITSELF}:HookAfterWarmup"]
+#: the fixtures test_suite.py's matrix would ask compiled_model of, asked here (its OWN_SESSION)
+FIXTURES = [path for path in ALL_FIXTURES if "compiled_model" in planned(path)]
 
 
 @pytest.fixture(scope="module")  # one nested session (a pool of ranks) for the tests below
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    pairs = [(spec, "compiled_model") for spec in SESSION_SPECS]
-    return run_nested(tmp_path_factory.mktemp("compiled"), pairs)["results"]
+    """The references, the fixtures that declare compiled_model (the two scripts first, in this order) and the
+    trainers that compile themselves, on compiled_model alone, in the suite's config."""
+    fixtures = sorted(FIXTURES, key=lambda path: path not in SCRIPTS)
+    pairs: list[tuple[str | Path, str]] = [(path, "compiled_model") for path in fixtures]
+    pairs += [(spec, "compiled_model") for spec in [*REFERENCES, *ITSELF]]
+    return run_grouped(tmp_path_factory.mktemp("compiled"), pairs)["results"]
+
+
+def test_the_references_train_the_same_model_compiled_as_eager(session: dict[str, Any]) -> None:
+    """compiled_model passes the references, within its fp32 tolerance, and compiled them itself."""
+    for spec in REFERENCES:
+        result = session[spec]["compiled_model"]
+        figures = result["figures"]
+        assert result["outcome"] == "passed" and figures["compiled_by"] == "the check", result
+        assert figures["max_rel_delta"] <= figures["tolerance"], figures
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[path.stem for path in FIXTURES])
+def test_each_fixture_is_judged_as_it_declares(session: dict[str, Any], path: Path) -> None:
+    """test_suite.py's matrix for this check: the mutants fail with their words, the controls pass."""
+    assert "compiled_model" in declared(path, "BREAKS") or declared(path, "CONTROL", "")
+    assert_as_declared(path, session[spec_of(path)])
 
 
 def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_trainer_s_model(
@@ -129,7 +162,7 @@ def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_tr
     """The same layers in two scripts of one session: the first registers its hook after the first forward, the
     second from the start. Dynamo's code cache for nn.Sequential.forward does not guard on hooks, so the second,
     compiled, reused the first's graph and ran without its hook (CI, once the matrix ran them in this order)."""
-    first, second = (session[spec]["compiled_model"] for spec in SESSION_SPECS[:2])
+    first, second = (session[spec]["compiled_model"] for spec in SCRIPT_SPECS)
     assert first["outcome"] == "failed" and "registers module hooks after its first forward" in first["message"]
     assert second["outcome"] == "passed", second
 
@@ -143,7 +176,7 @@ def test_a_machine_without_a_cxx_compiler_is_a_skip_not_the_trainer_s_failure(tm
 
 
 def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(session: dict[str, Any]) -> None:
-    control, mutant = (session[spec]["compiled_model"] for spec in SESSION_SPECS[2:])
+    control, mutant = (session[spec]["compiled_model"] for spec in ITSELF)
     if not hasattr(torch.compiler, "set_stance"):
         for result in (control, mutant):
             assert result["outcome"] == "skipped" and "set_stance arrived in 2.6" in result["message"], result
