@@ -40,7 +40,7 @@ from ..adapter import FitObserver, TrainState
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
-from .support.first_steps import final_floats
+from .support.first_steps import dropout_layers, final_floats, zero_dropout
 from .support.gradients import max_delta
 from .support.observe import unwrapped
 from .support.progress import PeerFitFailed, guarded_fit
@@ -59,8 +59,6 @@ COMPILED_PREFIX = "_orig_mod"
 DYNAMO_WRAPPED = "_torchdynamo_orig_callable"
 #: what inductor raises where the machine has no C++ compiler it can run (torch._inductor.exc)
 NO_COMPILER = "InvalidCxxCompiler"
-#: the dropout layers that draw from the RNG as the model trains
-DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 #: the module attributes holding its hooks, by the words a verdict names them with (torch keeps them in these
 #: private dicts on every nn.Module; tests/checks/test_compiled_model.py fails loudly if one goes)
 HOOK_DICTS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
@@ -81,8 +79,7 @@ class CompileOnWrap(FitObserver):
         self.model = model
         self.hooks_at_wrap = module_hooks(model)
         if self.without_dropout:
-            for module in dropout_layers(unwrapped(model)):
-                setattr(module, "dropout" if isinstance(module, nn.MultiheadAttention) else "p", 0.0)
+            zero_dropout(model)
         if self.compile_it:
             compile_in_place(unwrapped(model))
 
@@ -118,12 +115,6 @@ def module_hooks(model: nn.Module) -> dict[tuple[str, str, int], str]:
             for handle, hook in getattr(module, attribute, {}).items():
                 found[(name, kind, handle)] = getattr(hook, "__qualname__", type(hook).__name__)
     return found
-
-
-def dropout_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's dropout layers that draw (p > 0), attention's included."""
-    return [m for m in model.modules() if (isinstance(m, DROPOUT) and m.p > 0)
-            or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
 
 
 def compiled(model: nn.Module) -> bool:

@@ -60,7 +60,6 @@ is Lightning's, the RNG and data verdicts name the remedy this package ships
 
 from __future__ import annotations
 
-import math
 import random
 import zipfile
 from dataclasses import dataclass
@@ -71,23 +70,22 @@ import numpy as np
 import pytest
 import torch
 
-from ..adapter import FitObserver, NotProvided, StepInfo, TrainState
+from ..adapter import FitObserver, StepInfo, TrainState
 from ..resumable import capture_rng_state, restore_rng_state
 from ..runner.parent.verdict import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .support.observe import FitRecord, buffer_names
+from .support.observe import buffer_names
 from .support.parting import StopOnceParted
-from .support.progress import epoch_steps, guarded_fit
+from .support.progress import guarded_fit
 from .support.shared_fit import ObservedFit
 from .support.vacuity import skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
 
-FALLBACK_EPOCH_STEPS = 8
 BUFFERS_LOST = "the model's buffers are not restored"
 
 
@@ -139,32 +137,11 @@ def tolerance(ctx: CheckContext) -> float:
     return CUDA_RTOL
 
 
-def _epoch_steps(ctx: CheckContext, probe: FitRecord) -> int:
-    """Optimizer steps per epoch of the real training loader (the one-step probe fit's), else of
-    `make_loader`, else an assumption the notes state."""
-
-    observed = epoch_steps(ctx, probe, lengths_are_mine=False)
-    if observed is not None:
-        return observed
-    adapter = ctx.adapter()
-    try:
-        loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
-        batches: int | None = len(loader)
-    except (NotProvided, TypeError):
-        batches = None
-    lengths = all_gather(batches)  # one plan on every rank: ranks that planned other k and n would fit apart
-    if None in lengths:
-        ctx.note(f"epoch length unknown (the fit's loader and make_loader have no length): assumed "
-                 f"{FALLBACK_EPOCH_STEPS} steps")
-        return FALLBACK_EPOCH_STEPS
-    return max(1, math.ceil(max(lengths) / ctx.config.trainer.accumulate_grad_batches))
-
-
 def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     ctx.require_shared_workdir()
     probe = shared_fit.probe(ctx)
-    epoch = _epoch_steps(ctx, probe)
+    epoch = shared_fit.epoch_length(ctx, probe)
     observed = shared_fit.observed_fit(ctx, epoch)
     config, k, n = observed.config, observed.checkpoint_step, observed.horizon
     rtol = tolerance(ctx)

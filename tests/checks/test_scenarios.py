@@ -66,9 +66,10 @@ def scenarios(draw: st.DrawFn) -> dict:
 
 # checks the drawn configs do not vary: they train in fp32 without BatchNorm (on CPU sync_batchnorm could only
 # skip), and what initial_sync, bucket_cap_mb_invariance and static_graph judge does not depend on the data or
-# the world drawn; the reference never enters DDP's join, so uneven_inputs only says so
+# the world drawn; the reference never enters DDP's join, so uneven_inputs only says so, nor declares an elastic
+# resume, which elastic_resume's skip says
 NOT_DRAWN = ("bucket_view_memory", "sync_batchnorm", "mixed_precision", "initial_sync", "bucket_cap_mb_invariance",
-             "static_graph", "uneven_inputs")
+             "static_graph", "uneven_inputs", "elastic_resume")
 
 
 def run_scenario(tmp: Path, scenario: dict) -> dict[str, dict[str, dict]]:

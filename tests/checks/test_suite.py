@@ -42,9 +42,10 @@ from tests.checks.test_report import assert_fits_and_nothing_is_cut
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
 REFERENCES = ["torch", "lightning"]
-#: checks whose matrix runs in their own module's nested session (tests/checks/test_compiled_model.py), so that
-#: pytest-xdist can put it on the other worker: compiled_model's cold compiles added ~100 s to this module's
-OWN_SESSION = ("compiled_model",)
+#: checks whose matrix runs in their own module's nested session (tests/checks/test_compiled_model.py,
+#: test_elastic_resume.py), so that pytest-xdist can put it on the other worker: compiled_model's cold compiles added
+#: ~100 s to this module's, elastic_resume's fixtures 20 s
+OWN_SESSION = ("compiled_model", "elastic_resume")
 IN_THIS_SESSION = tuple(check for check in CHECK_IDS if check not in OWN_SESSION)
 CONFIG = Path(__file__).with_name("suite.yaml")
 # checks that do not apply to a trainer on this run's CPU config, and the words their skip gives: the suite's
@@ -61,7 +62,13 @@ NOT_APPLICABLE = {"sync_batchnorm": ("has no BatchNorm layer", "ran on cpu"),
                   "accumulation_equivalence": ("the config asks for no gradient accumulation",
                                                "runs its own command line, not the harness's config"),
                   # a guide's config with the flag off (tiny.yaml), where a fixture needs that config's other settings
-                  "bucket_view_memory": ("its config sets it false",)}
+                  "bucket_view_memory": ("its config sets it false",),
+                  # the guides' resume needs the GPU count it was checkpointed with: only a trainer that says otherwise
+                  # is judged, and only where its resized groups can run (CPU_ONLY)
+                  "elastic_resume": ("does not declare that it resumes at another world size",
+                                     "the resized groups run with gloo on CPU")}
+#: checks that judge on CPU alone: on a GPU run (test_cuda_suite.py) they skip, saying why, whatever a fixture breaks
+CPU_ONLY = {"elastic_resume"}
 
 
 def not_applicable(check: str, result: dict[str, Any]) -> bool:
@@ -211,12 +218,14 @@ def assert_as_declared(path: Path, results: dict[str, dict[str, Any]], on_gpu: b
     """The checks asked of a fixture fail exactly where it declares (`BREAKS`, with the `DIAGNOSIS` words), skip
     exactly where it declares (`SKIPS`, with their words) or where the check does not apply here, and pass
     otherwise. `on_gpu`: the fixture trained on a GPU, where the checks only a GPU exercises fail as it declares
-    for one (`BREAKS_ON_CUDA`, `DIAGNOSIS_ON_CUDA`) instead of skipping."""
+    for one (`BREAKS_ON_CUDA`, `DIAGNOSIS_ON_CUDA`) instead of skipping, and those that judge on CPU alone
+    (`CPU_ONLY`) skip instead of failing."""
     breaks, diagnosis = set(declared(path, "BREAKS")), dict(declared(path, "DIAGNOSIS", {}))
     skips: dict[str, str | tuple[str, ...]] = declared(path, "SKIPS", {})
     if on_gpu:
-        breaks |= declared(path, "BREAKS_ON_CUDA", set())
+        breaks = (breaks | declared(path, "BREAKS_ON_CUDA", set())) - CPU_ONLY
         diagnosis.update(declared(path, "DIAGNOSIS_ON_CUDA", {}))
+        diagnosis = {check: words for check, words in diagnosis.items() if check not in CPU_ONLY}
         skips = {check: words for check, words in skips.items() if check not in breaks}
     outcomes = {check: r["outcome"] for check, r in results.items()}
     assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks) & set(results), outcomes

@@ -76,11 +76,11 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"proc": proc, "results": {name: by_spec[trainer] for name, trainer in specs.items()}}
 
 
-# the session runs the modules as they are, in fp32, with no BatchNorm, static_graph off and no accumulation, and
-# Lightning never enters DDP's join: five checks have nothing to judge (static_graph says that --ddp-advise would
-# tell whether the model could take it)
+# the session runs the modules as they are, in fp32, with no BatchNorm, static_graph off and no accumulation,
+# Lightning never enters DDP's join, and no module declares an elastic resume: six checks have nothing to judge
+# (static_graph says that --ddp-advise would tell whether the model could take it)
 NOT_EXERCISED = {"sync_batchnorm": "skipped", "mixed_precision": "skipped", "static_graph": "skipped",
-                 "uneven_inputs": "skipped", "accumulation_equivalence": "skipped"}
+                 "uneven_inputs": "skipped", "accumulation_equivalence": "skipped", "elastic_resume": "skipped"}
 
 
 def assert_not_exercised(results: dict[str, Any]) -> None:
@@ -89,6 +89,7 @@ def assert_not_exercised(results: dict[str, Any]) -> None:
     assert "static_graph is off in the config: nothing to judge (--ddp-advise" in results["static_graph"]["message"]
     assert "the fit uses no DDP join" in results["uneven_inputs"]["message"], results["uneven_inputs"]
     assert "asks for no gradient accumulation" in results["accumulation_equivalence"]["message"]
+    assert "does not declare that it resumes at another world size" in results["elastic_resume"]["message"]
 
 
 def outcomes(results: dict[str, Any]) -> dict[str, str]:

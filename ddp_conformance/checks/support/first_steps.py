@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from ...adapter import TrainerAdapter, TrainState
 from ...config import RunConfig
@@ -24,6 +25,23 @@ from .progress import guarded_fit
 
 def without_dropout(config: RunConfig) -> RunConfig:
     return replace(config, model=replace(config.model, dropout=0.0))
+
+
+#: the dropout layers that draw from the RNG as the model trains
+DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def dropout_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's dropout layers that draw (p > 0), attention's included."""
+    return [m for m in model.modules() if (isinstance(m, DROPOUT) and m.p > 0)
+            or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
+
+
+def zero_dropout(model: nn.Module) -> None:
+    """Set the dropout of the model (or the model DDP wraps) to 0, where a trainer that ignores the config's
+    dropout keeps its own: two fits that must agree then draw no masks."""
+    for module in dropout_layers(unwrapped(model)):
+        setattr(module, "dropout" if isinstance(module, nn.MultiheadAttention) else "p", 0.0)
 
 
 def with_strategy(config: RunConfig, **changes: Any) -> RunConfig:

@@ -115,6 +115,10 @@ class LoaderPass:
         """The batches as indices of the dataset under any Subsets."""
         return [[_through(self.index_map, i) for i in batch] for batch in self.batches]
     trained: bool = False
+    # with `draws`: the indices of each batch the pass yielded to the loop (what it trains, read-ahead included;
+    # batches a resumed loader skips are drawn from its sampler but never yielded), None where they cannot be read
+    yielded: list[list[int] | None] = field(default_factory=list)
+    yield_storages: list[frozenset[int]] = field(default_factory=list, repr=False)  # each yielded batch's tensors'
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
     # the loader's dataset itself: data_consistency reads it by index when the trainer cannot build it
@@ -223,6 +227,9 @@ class FitRecord:
     start_state: StartState | None = field(default=None, repr=False)
     wraps: dict[int, WrapTime] = field(default_factory=dict, repr=False)  # id(module) -> what its DDP took over
     joins: list[JoinUse] = field(default_factory=list)  # every `Join` context the fit built (DDP's `join()` too)
+    # with `draws`: per micro-batch, (the pass newest at its forward, the batch of it the micro-batch trained, -1 if
+    # unknown, optimizer steps taken before it)
+    micro_draws: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def optimizer(self) -> Any:
@@ -255,6 +262,12 @@ class FitRecord:
         now = self.stepped_outside_model()
         return {name: (start, input_digest(now[name])) for name, start in self.outside_start.items() if name in now}
 
+    def step_draws(self) -> list[tuple[int, list[int] | None]]:
+        """With `draws`: per micro-batch, (the optimizer step it adds to, counted from 1, the dataset indices it
+        trained, None where they are not known)."""
+        return [(steps + 1, self.passes[index].yielded[nth] if index >= 0 and nth >= 0 else None)
+                for index, nth, steps in self.micro_draws]
+
     def summary(self) -> dict[str, Any]:
         """Plain values, for figures and for gathering across ranks."""
         return {"micro_batches": self.micro_batches, "synced": sum(self.synced),
@@ -271,7 +284,8 @@ class FitRecorder:
                  all_inputs: bool = False, keep_batches: bool = False,
                  on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
                  digest_steps: bool = False, watch_norms: bool = False, watch_start: bool = False,
-                 keep_params_at: int | None = None, model_hooks_only: bool = False) -> None:
+                 keep_params_at: int | None = None, model_hooks_only: bool = False,
+                 draws: Callable[[Any], list[int]] | None = None) -> None:
         """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
         indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
         keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
@@ -284,7 +298,10 @@ class FitRecorder:
         `keep_params_at=j`: keep the parameters right after optimizer step j (`FitRecord.kept_params`).
         `model_hooks_only`: once the first micro-batch names the model, its forward hooks move from every
         module to that model alone, so that a forward compiled from then on traces none of them (dynamo would
-        break its graph at every module they run on, and hide what the one compiled graph does)."""
+        break its graph at every module they run on, and hide what the one compiled graph does).
+        `draws(batch)`: the dataset indices of a batch the loader yielded (the adapter's `batch_indices`), for
+        batches the batch sampler's record cannot tell, recorded with the step each micro-batch adds to
+        (`FitRecord.step_draws`)."""
         self.record = FitRecord()
         self._keep_params_at = keep_params_at
         self._watch_start = watch_start
@@ -298,6 +315,7 @@ class FitRecorder:
         self._keep_batches = keep_batches and first_step
         self._on_first_micro_batch = on_first_micro_batch
         self._model_hooks_only = model_hooks_only
+        self._draws = draws
         self._forward_hooks: list[Any] = []  # the global forward hooks' handles
         self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
         self.listener = listener
@@ -322,6 +340,10 @@ class FitRecorder:
         self._stack.callback(register_optimizer_step_pre_hook(self._on_optimizer_pre_step).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._on_optimizer_step).remove)
         self._patch(DataLoader, "__iter__", self._loader_iter)
+        if self._draws is not None:
+            for loader_type in _loader_types():
+                if "__iter__" in vars(loader_type):
+                    self._patch(loader_type, "__iter__", self._outer_iter)
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
         self._patch(DistributedDataParallel, "__init__", self._ddp_init)
         self._patch(Join, "__init__", self._join_init)
@@ -389,6 +411,9 @@ class FitRecorder:
             if record.micro_batches < 2:  # a hook comes before the first backward, so the second forward sees it
                 record.ddp["comm_hook"] = comm_hook_name(model)
             record.synced.append(bool(model.require_backward_grad_sync))
+        if self._draws is not None:
+            record.micro_draws.append((len(record.passes) - 1, _trained_batch(record.passes, inputs),
+                                       record.optimizer_steps))
         self._mark_rng(first)
         record.micro_batches += 1
         if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
@@ -425,6 +450,28 @@ class FitRecorder:
         else:
             first.sources.append((newest if newest >= 0 else None, 0))
             first.batches.append(None)
+
+    def _drawn(self, loader: Any) -> Callable[[int, int, Any], None]:
+        """With `draws`: what records each batch the loop gets from `loader` into the pass it came from (-1: the
+        newest). Its indices are the batch sampler's last batch where the loader fetches in the loop's own process
+        (`num_workers=0`: each batch is fetched as the loop asks for it), else what `draws(batch)` reads."""
+
+        def on_draw(index: int, count: int, batch: Any) -> None:
+            if not self.record.passes:
+                return
+            target = self.record.passes[index]
+            indices: list[int] | None = None
+            if target.indexed and target.batches and getattr(loader, "num_workers", 1) == 0:
+                indices = [_through(target.index_map, i) for i in target.batches[-1]]
+            else:
+                try:
+                    indices = [int(i) for i in self._draws(batch)]  # type: ignore[misc]
+                except Exception:  # the trainer's batch_indices cannot read it: said by the check that asked
+                    indices = None
+            target.yielded.append(indices)
+            target.yield_storages.append(frozenset(_storages(batch)))
+
+        return on_draw
 
     def _on_yield(self, index: int, count: int, batch: Any) -> None:
         first = self.record.first_step
@@ -621,9 +668,24 @@ class FitRecorder:
                 recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
             with recorder._loaders_own_draws():  # the pass's `_base_seed`
                 iterator = original(loader)
+            newest = len(recorder.record.passes) - 1
             if recorder._keep_batches:
-                return _Yields(iterator, recorder._on_yield, len(recorder.record.passes) - 1)
+                iterator = _Yields(iterator, recorder._on_yield, newest)
+            if recorder._draws is not None and not _iterates_itself(type(loader)):
+                iterator = _Yields(iterator, recorder._drawn(loader), newest)
             return iterator
+
+        return __iter__
+
+    def _outer_iter(self, original: Any) -> Any:
+        """A DataLoader subclass's own `__iter__` (a loader that skips what a resume consumed): what its iterator
+        yields is what the loop trains, not what the DataLoader it calls underneath yields."""
+        recorder = self
+
+        def __iter__(loader: Any) -> Any:
+            if type(loader).__iter__ is not __iter__:  # a subclass of a subclass: the outermost records
+                return original(loader)
+            return _Yields(original(loader), recorder._drawn(loader), -1)
 
         return __iter__
 
@@ -653,6 +715,50 @@ class FitRecorder:
             return _recorded(original(sampler), target, recorder._loaders_own_draws)
 
         return __iter__
+
+
+def _storages(batch: Any) -> Iterator[int]:
+    """Where the tensors of a batch keep their data (views share their base's)."""
+    if isinstance(batch, torch.Tensor):
+        try:
+            pointer = batch.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return
+        if pointer:  # an empty tensor's is 0, every empty tensor's
+            yield pointer
+        return
+    for item in children(batch) or []:
+        yield from _storages(item)
+
+
+def _trained_batch(passes: list[LoaderPass], inputs: Any) -> int:
+    """Which batch of the newest pass a micro-batch trains: the latest one whose tensors its forward's inputs are, or
+    views of (a loop that reads one ahead, as Lightning's, has yielded the next batch already; one that skips what a
+    resume consumed, `if i < skip: continue`, has yielded batches it never trains); else the latest one yielded, as
+    a loop that copies the batch to another device trains. -1 where the pass yielded none."""
+    if not passes or not passes[-1].yield_storages:
+        return -1
+    storages = set(_storages(inputs))
+    newest = passes[-1].yield_storages
+    return next((nth for nth in range(len(newest) - 1, -1, -1) if newest[nth] & storages), len(newest) - 1)
+
+
+def _loader_types() -> list[type]:
+    """Every subclass of DataLoader defined so far, subclasses of subclasses too."""
+    found: list[type] = []
+    pending = list(DataLoader.__subclasses__())
+    while pending:
+        loader_type = pending.pop()
+        if loader_type not in found:
+            found.append(loader_type)
+            pending += loader_type.__subclasses__()
+    return found
+
+
+def _iterates_itself(loader_type: type) -> bool:
+    """Whether a DataLoader class has an `__iter__` of its own above DataLoader's (`_outer_iter` records it)."""
+    mro = loader_type.__mro__
+    return any("__iter__" in vars(owner) for owner in mro[:mro.index(DataLoader)] if DataLoader in mro)
 
 
 def _cuda_rng() -> str | None:

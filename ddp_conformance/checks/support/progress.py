@@ -243,7 +243,8 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
                 keep_batches: bool = False, snapshot_at: int | None = None,
                 digest_steps: bool = False, watch_norms: bool = False,
                 watch_start: bool = False, keep_params_at: int | None = None,
-                model_hooks_only: bool = False) -> tuple[Any, list[Progress]]:
+                model_hooks_only: bool = False,
+                draws: Callable[[Any], list[int]] | None = None) -> tuple[Any, list[Progress]]:
     """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress;
     `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`),
     `keep_batches` the batches its loader yielded for it too, `all_inputs` digest what every
@@ -251,7 +252,8 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     `digest_steps` digest its parameters after every step, `watch_norms` record its BatchNorm
     layers' first micro-batch, `watch_start` its tensors at the first forward and at its end, and
     `keep_params_at` its parameters after that optimizer step; `model_hooks_only` hooks the forward of the
-    model alone from its first micro-batch on (`FitRecorder`).
+    model alone from its first micro-batch on, and `draws(batch)` records the samples each step trains
+    (`FitRecorder`).
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
     Raises the call's own exception on a rank whose fit raised, `PeerFitFailed` on one whose fit ended
@@ -273,7 +275,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
                              all_inputs=all_inputs, keep_batches=keep_batches, snapshot_at=snapshot_at,
                              digest_steps=digest_steps, watch_norms=watch_norms,
                              watch_start=watch_start, keep_params_at=keep_params_at,
-                             model_hooks_only=model_hooks_only) as recorder:
+                             model_hooks_only=model_hooks_only, draws=draws) as recorder:
                 ctx.recordings[label] = recorder.record
                 result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)

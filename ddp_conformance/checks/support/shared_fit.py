@@ -39,12 +39,12 @@ from typing import Any, TypeVar
 
 from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
-from .check_context import CheckContext
+from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
 from .kept import kept_or_run
 from .observe import FitRecord
 from .parting import STEPS as PARTING_STEPS
-from .progress import Progress, guarded_fit
+from .progress import Progress, epoch_steps, guarded_fit
 from .vacuity import TrainingEvidence
 
 #: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
@@ -57,6 +57,8 @@ STEADY_STEPS = 3
 FORCED_DROPOUT = 0.1
 #: what each check that asked for evidence says it did, under its figures' "shared_fits"
 FIGURE = "shared_fits"
+#: optimizer steps an epoch is taken to have where neither the fit's loader nor `make_loader` has a length
+FALLBACK_EPOCH_STEPS = 8
 
 _Evidence = TypeVar("_Evidence")
 
@@ -109,6 +111,27 @@ def fit_config(ctx: CheckContext) -> RunConfig:
                     "resume_fidelity share, so that a lost RNG state shows (a trainer that ignores the config's "
                     "model section keeps its own model)")
     return replace(config, model=replace(config.model, dropout=FORCED_DROPOUT))
+
+
+def epoch_length(ctx: CheckContext, probe: FitRecord) -> int:
+    """Optimizer steps per epoch of the real training loader (the one-step probe fit's), else of
+    `make_loader`, else an assumption the notes state."""
+
+    observed = epoch_steps(ctx, probe, lengths_are_mine=False)
+    if observed is not None:
+        return observed
+    adapter = ctx.adapter()
+    try:
+        loader = adapter.make_loader(adapter.make_dataset(), rank=ctx.rank, world_size=ctx.world_size, epoch=0)
+        batches: int | None = len(loader)
+    except (NotProvided, TypeError):
+        batches = None
+    lengths = all_gather(batches)  # one plan on every rank: ranks that planned other k and n would fit apart
+    if None in lengths:
+        ctx.note(f"epoch length unknown (the fit's loader and make_loader have no length): assumed "
+                 f"{FALLBACK_EPOCH_STEPS} steps")
+        return FALLBACK_EPOCH_STEPS
+    return max(1, math.ceil(max(lengths) / ctx.config.trainer.accumulate_grad_batches))
 
 
 def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
