@@ -74,6 +74,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     state, record, checkpoint = _fit_here(ctx, k, n, bool(getattr(adapter, "checkpoints_once", False)))
     draws, model = record.step_draws(), getattr(record.model, "module", record.model)
     gathered = all_gather(draws)
+    if not all(all_gather(bool(record.training_passes()))):
+        pytest.skip("the fit trains from no DataLoader (batches drawn some other way, as nanoGPT's torch.randint over "
+                    "a token file), so there are no sample indices to follow its global batches by")
     if unread(gathered):
         pytest.skip("the samples each step trains cannot be read: the loader's batch sampler draws no lists of "
                     "indices in the loop's own process (an IterableDataset, or num_workers > 0), and the adapter's "
