@@ -72,8 +72,22 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     epoch = shared_fit.epoch_length(ctx, probe)
     k, n = shared_fit.plan_steps(epoch, getattr(adapter, "checkpoint_every", None))
     state, record, checkpoint = _fit_here(ctx, k, n, bool(getattr(adapter, "checkpoints_once", False)))
-    draws, model = record.step_draws(), getattr(record.model, "module", record.model)
-    gathered = all_gather(draws)
+    gathered = _every_rank_draws(record)
+    compare_final = _final_states_tell(ctx, record)
+    figures: dict[str, Any] = {"checkpoint_step": k, "steps": n, "world_sizes": resized(ctx.world_size)}
+    verdict = None
+    if ctx.rank == 0:
+        verdict = _judge(ctx, state, per_step(gathered), checkpoint, (k, n, epoch), compare_final, figures)
+    verdict, figures = from_rank_zero((verdict, figures))
+    if verdict is not None:
+        raise ctx.fail(verdict, **figures)
+    figures["summary"] = f"same batches at {' and '.join(map(str, figures['world_sizes']))}"
+    return figures
+
+
+def _every_rank_draws(record: FitRecord) -> list[Any]:
+    """Every rank's (step, indices) of the uninterrupted fit (collective); a skip where they cannot be known."""
+    gathered = all_gather(record.step_draws())
     if not all(all_gather(bool(record.training_passes()))):
         pytest.skip("the fit trains from no DataLoader (batches drawn some other way, as nanoGPT's torch.randint over "
                     "a token file), so there are no sample indices to follow its global batches by")
@@ -81,26 +95,25 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip("the samples each step trains cannot be read: the loader's batch sampler draws no lists of "
                     "indices in the loop's own process (an IterableDataset, or num_workers > 0), and the adapter's "
                     "batch_indices cannot read the batches it yields")
+    return gathered
+
+
+def _final_states_tell(ctx: CheckContext, record: FitRecord) -> bool:
+    """Whether a resume at another world size must end where the uninterrupted fit ends (collective); where not, a
+    note says why, and the global batches alone are judged."""
+    model = getattr(record.model, "module", record.model)
     batchnorm = sorted({name for names in all_gather(unsynced_batchnorm(model) if model is not None else [])
                         for name in names})
     if batchnorm:
         ctx.note(f"the final states are not compared, only the global batches: BatchNorm layers "
                  f"({', '.join(batchnorm[:3])}) normalise by each rank's own batch, which a fixed global batch splits "
                  "differently at each world size")
-    trains = any(all_gather(record.nonzero_grad_steps > 0))
-    if not trains:
+        return False
+    if not any(all_gather(record.nonzero_grad_steps > 0)):
         ctx.note("the final states are not compared, only the global batches: the fit never changes the model (every "
                  "gradient is exactly zero; rank_participation fails it), so any resume would end where it ends")
-    figures: dict[str, Any] = {"checkpoint_step": k, "steps": n, "world_sizes": resized(ctx.world_size)}
-    verdict = None
-    if ctx.rank == 0:
-        verdict = _judge(ctx, state, per_step(gathered), checkpoint, (k, n, epoch), trains and not batchnorm,
-                         figures)
-    verdict, figures = from_rank_zero((verdict, figures))
-    if verdict is not None:
-        raise ctx.fail(verdict, **figures)
-    figures["summary"] = f"same batches at {' and '.join(map(str, figures['world_sizes']))}"
-    return figures
+        return False
+    return True
 
 
 def _applies(ctx: CheckContext, adapter: TrainerAdapter) -> None:

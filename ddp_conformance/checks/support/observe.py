@@ -47,8 +47,9 @@ import hashlib
 import inspect
 import numbers
 import threading
+import weakref
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from unittest import mock
@@ -69,6 +70,8 @@ from .start_state import StartState, WrapTime, after_states, bind_ddp_arguments,
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
+#: with `draws`: the latest batches a micro-batch may have come from (a loop holds one, or two reading ahead)
+HELD_BATCHES = 8
 TRACED_RNG = 4096  # the RNG state is kept for the first micro-batches, no more (`FitRecord.rng_trail`)
 # torch 2.13 keeps `forward_sync_buffers` where older releases kept `broadcast_buffers`; both are read
 DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "broadcast_buffers",
@@ -118,7 +121,6 @@ class LoaderPass:
     # with `draws`: the indices of each batch the pass yielded to the loop (what it trains, read-ahead included;
     # batches a resumed loader skips are drawn from its sampler but never yielded), None where they cannot be read
     yielded: list[list[int] | None] = field(default_factory=list)
-    yield_storages: list[frozenset[int]] = field(default_factory=list, repr=False)  # each yielded batch's tensors'
     inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
     # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
     # the loader's dataset itself: data_consistency reads it by index when the trainer cannot build it
@@ -316,6 +318,9 @@ class FitRecorder:
         self._on_first_micro_batch = on_first_micro_batch
         self._model_hooks_only = model_hooks_only
         self._draws = draws
+        # with `draws`: by pass, each yielded batch's tensors, held weakly: a batch the loop has let go of can match no
+        # micro-batch (a new tensor may take the memory a freed one had)
+        self._yield_tensors: dict[int, list[list[weakref.ref[Any]]]] = {}
         self._forward_hooks: list[Any] = []  # the global forward hooks' handles
         self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
         self.listener = listener
@@ -412,8 +417,7 @@ class FitRecorder:
                 record.ddp["comm_hook"] = comm_hook_name(model)
             record.synced.append(bool(model.require_backward_grad_sync))
         if self._draws is not None:
-            record.micro_draws.append((len(record.passes) - 1, _trained_batch(record.passes, inputs),
-                                       record.optimizer_steps))
+            record.micro_draws.append((len(record.passes) - 1, self._trained_batch(inputs), record.optimizer_steps))
         self._mark_rng(first)
         record.micro_batches += 1
         if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
@@ -451,6 +455,20 @@ class FitRecorder:
             first.sources.append((newest if newest >= 0 else None, 0))
             first.batches.append(None)
 
+    def _trained_batch(self, inputs: Any) -> int:
+        """Which batch of the newest pass a micro-batch trains: the latest one, still alive, whose tensors its
+        forward's inputs are or are views of (a loop that reads one ahead, as Lightning's, has yielded the next batch
+        already; one that skips what a resume consumed, `if i < skip: continue`, has yielded batches it never
+        trains); else the latest one yielded, as a loop that copies the batch to another device trains. -1 where the
+        pass yielded none."""
+        yielded = self._yield_tensors.get(len(self.record.passes) - 1, [])
+        storages = _storages(_tensors(inputs))
+        for nth in range(len(yielded) - 1, max(-1, len(yielded) - 1 - HELD_BATCHES), -1):
+            alive = [tensor for tensor in (ref() for ref in yielded[nth]) if tensor is not None]
+            if _storages(alive) & storages:
+                return nth
+        return len(yielded) - 1
+
     def _drawn(self, loader: Any) -> Callable[[int, int, Any], None]:
         """With `draws`: what records each batch the loop gets from `loader` into the pass it came from (-1: the
         newest). Its indices are the batch sampler's last batch where the loader fetches in the loop's own process
@@ -469,7 +487,11 @@ class FitRecorder:
                 except Exception:  # the trainer's batch_indices cannot read it: said by the check that asked
                     indices = None
             target.yielded.append(indices)
-            target.yield_storages.append(frozenset(_storages(batch)))
+            at = index if index >= 0 else len(self.record.passes) - 1
+            held = self._yield_tensors.setdefault(at, [])
+            held.append([weakref.ref(tensor) for tensor in _tensors(batch)])
+            if len(held) > HELD_BATCHES:
+                held[-HELD_BATCHES - 1] = []  # out of the window a micro-batch is matched in
 
         return on_draw
 
@@ -717,30 +739,26 @@ class FitRecorder:
         return __iter__
 
 
-def _storages(batch: Any) -> Iterator[int]:
-    """Where the tensors of a batch keep their data (views share their base's)."""
+def _tensors(batch: Any) -> Iterator[Any]:
+    """The tensors of a batch, in its containers."""
     if isinstance(batch, torch.Tensor):
-        try:
-            pointer = batch.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage
-            return
-        if pointer:  # an empty tensor's is 0, every empty tensor's
-            yield pointer
+        yield batch
         return
     for item in children(batch) or []:
-        yield from _storages(item)
+        yield from _tensors(item)
 
 
-def _trained_batch(passes: list[LoaderPass], inputs: Any) -> int:
-    """Which batch of the newest pass a micro-batch trains: the latest one whose tensors its forward's inputs are, or
-    views of (a loop that reads one ahead, as Lightning's, has yielded the next batch already; one that skips what a
-    resume consumed, `if i < skip: continue`, has yielded batches it never trains); else the latest one yielded, as
-    a loop that copies the batch to another device trains. -1 where the pass yielded none."""
-    if not passes or not passes[-1].yield_storages:
-        return -1
-    storages = set(_storages(inputs))
-    newest = passes[-1].yield_storages
-    return next((nth for nth in range(len(newest) - 1, -1, -1) if newest[nth] & storages), len(newest) - 1)
+def _storages(tensors: Iterable[Any]) -> set[int]:
+    """Where the tensors keep their data (views share their base's); an empty tensor's is 0, every empty one's."""
+    found: set[int] = set()
+    for tensor in tensors:
+        try:
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            continue
+        if pointer:
+            found.add(pointer)
+    return found
 
 
 def _loader_types() -> list[type]:
