@@ -43,7 +43,7 @@ from ..support.observe import FitRecord
 from ..support.progress import guarded_fit
 from .global_batches import Parting, first_parting, per_step, unread
 from .resized_groups import GroupResult, resume_resized
-from .resized_rank import DropoutOff, RankRaised, ResizedJob, unsynced_batchnorm
+from .resized_rank import DropoutOff, ResizedJob, unsynced_batchnorm
 
 #: the largest relative difference per tensor between the uninterrupted fit and a resume at another world size that
 #: counts as the summation order of the gradient average: measured 1.0e-7 (world size 2 resumed at 1 and 4, the class,
@@ -199,9 +199,8 @@ def _group_verdict(group: GroupResult, head: str, expected: dict[int, list[int]]
     size = group.world_size
     if group.failed is not None:
         rank, message = group.failed
-        raised = message.removeprefix(f"{RankRaised.__name__}: ")
-        verb = "raises" if raised != message else "ends"
-        return f"resuming at world size {size} {verb} on rank {rank}: {raised}; {head} (logs: {group.logs})"
+        verb = "raises" if group.raised else "ends"
+        return f"resuming at world size {size} {verb} on rank {rank}: {message}; {head} (logs: {group.logs})"
     if group.timed_out or len(group.answers) != size:
         return (f"resuming at world size {size} never ends: the group did not finish within {group.seconds:.0f} s "
                 f"(logs: {group.logs}); {head}")

@@ -5,7 +5,7 @@ and their return values keyed by rank), wait for it within a deadline, and end e
 from __future__ import annotations
 
 import multiprocessing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-from .resized_rank import FIRST_ERROR, RankAnswer, RankRaised, ResizedJob, resume_in_group
+from .resized_rank import FIRST_ERROR, RankAnswer, ResizedJob, resume_in_group
 
 HOST = "127.0.0.1"  # the group's ranks run on this host, beside the rank that starts them
 POLL_SECONDS = 0.05
@@ -25,7 +25,8 @@ class GroupResult:
 
     world_size: int
     answers: dict[int, RankAnswer] = field(default_factory=dict)
-    failed: tuple[int, str] | None = None  # the first rank that failed, and its error ("RankRaised: ...") or end
+    failed: tuple[int, str] | None = None  # the first rank that failed, and its error's line or how it ended
+    raised: bool = False  # that rank raised (`RankRaised`), rather than died
     timed_out: bool = False
     seconds: float = 0.0  # the deadline it was given
     logs: str = ""  # where the ranks' stdout and stderr are
@@ -34,7 +35,7 @@ class GroupResult:
 def resume_resized(job: ResizedJob, logs: Path) -> GroupResult:
     """Resume the trainer in a fresh group of `job.world_size` ranks on this host; every rank ended on return."""
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=job.seconds))
-    job = ResizedJob(**{**vars(job), "host": HOST, "port": store.port})
+    job = replace(job, host=HOST, port=store.port)
     logs.mkdir(parents=True, exist_ok=True)
     context = start_processes(
         name=f"elastic_resume_ws{job.world_size}", entrypoint=resume_in_group,
@@ -52,7 +53,7 @@ def resume_resized(job: ResizedJob, logs: Path) -> GroupResult:
     result.answers = {rank: answer for rank, answer in done.return_values.items() if isinstance(answer, RankAnswer)}
     if store.check([FIRST_ERROR]):  # the rank that raised first, whichever failure elastic saw first
         rank = int(store.get(FIRST_ERROR).decode())
-        result.failed = (rank, f"{RankRaised.__name__}: {store.get(f'{FIRST_ERROR}/{rank}').decode()}")
+        result.failed, result.raised = (rank, store.get(f"{FIRST_ERROR}/{rank}").decode()), True
     elif done.failures:  # a rank that died without raising (a signal, an exit): the one elastic found
         rank, failure = next(iter(done.failures.items()))
         result.failed = (rank, _said(failure.message) or f"exit code {failure.exitcode}")

@@ -56,7 +56,6 @@ class RankAnswer:
     draws: list[tuple[int, list[int] | None]] = field(default_factory=list)  # `FitRecord.step_draws`
     steps: int = 0  # optimizer steps the resumed fit took
     final: dict[str, Any] | None = None  # rank 0's final parameters and buffers (`final_floats`)
-    batchnorm: list[str] = field(default_factory=list)  # layers that normalise by this rank's batch alone
 
 
 class RankRaised(Exception):
@@ -104,10 +103,8 @@ def _resume(job: ResizedJob, rank: int) -> RankAnswer:
         result = adapter.resume(job.checkpoint, job.steps)
     record = recorder.record
     state = ObservedState.of(result, record)
-    model = getattr(record.model, "module", record.model)
     return RankAnswer(rank, draws=record.step_draws(), steps=record.optimizer_steps,
-                      final=final_floats(state) if rank == 0 else None,
-                      batchnorm=unsynced_batchnorm(model) if model is not None else [])
+                      final=final_floats(state) if rank == 0 else None)
 
 
 def unsynced_batchnorm(model: Any) -> list[str]:
