@@ -273,18 +273,35 @@ def matrix_lines(doc: dict[str, Any], width: int = MATRIX_WIDTH) -> list[str]:
     checks = list(dict.fromkeys(r["check"] for r in results))
     trainers = list(dict.fromkeys(r["trainer"] for r in results))
     cells = {(r["trainer"], r["check"]): r for r in results}
-    numbered = [r for r in results if r["outcome"] != "passed"]
-    notes = {(r["trainer"], r["check"]): n for n, r in enumerate(numbered, start=1)}
+    said = _said_once([r for r in results if r["outcome"] != "passed"])
+    notes = {(r["trainer"], r["check"]): n for n, group in enumerate(said, start=1) for r in group}
     texts = {(t, c): _cell_text(cells.get((t, c)), notes.get((t, c))) for t in trainers for c in checks}
     lines = (_grid("trainer", trainers, checks, lambda t, c: texts[(t, c)], width)
              or _grid("check", checks, trainers, lambda c, t: texts[(t, c)], width)
              or _listed(trainers, checks, texts, width))
-    if numbered:
+    if said:
         lines.append("")
-    for n, r in enumerate(numbered, start=1):
-        lines += textwrap.wrap(f"[{n}] {r['trainer']} / {r['check']} {r['outcome']}: {r['message']}", width,
-                               subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    for n, group in enumerate(said, start=1):
+        first = group[0]
+        lines += textwrap.wrap(f"[{n}] {first['trainer']} / {_checks_named(group)} {first['outcome']}: "
+                               f"{first['message']}", width, subsequent_indent="    ", break_long_words=False,
+                               break_on_hyphens=False)
     return lines
+
+
+def _said_once(results: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The results that need a note, those of one trainer with the same outcome and message under one note
+    (a trainer that cannot be built skips every other check with the same reason), in order of first use."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["trainer"], r["outcome"], r["message"]), []).append(r)
+    return list(groups.values())
+
+
+def _checks_named(group: list[dict[str, Any]]) -> str:
+    """The checks one note covers: each by name, or the first and last of more than three, with their count."""
+    names = [r["check"] for r in group]
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} checks)"
 
 
 def _grid(corner: str, rows: list[str], columns: list[str], text: Callable[[str, str], tuple[str, str]],

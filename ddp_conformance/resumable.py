@@ -15,17 +15,18 @@ Public, torch-only pieces (no Lightning import), used by both references and off
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 __all__ = ["ResumableDataLoader", "capture_rng_state", "gather_rng_states", "restore_rng_state",
-           "rng_state_for_rank"]
+           "rng_state_for_rank", "seed_all"]
 
 
 _GENERATOR_POSITION = 12  # DataLoader(dataset, batch_size, ..., multiprocessing_context, generator, *, ...)
@@ -131,15 +132,32 @@ class ResumableDataLoader(DataLoader):
 # RNG state
 
 
+def installed_numpy() -> ModuleType | None:
+    """numpy where it is installed: torch does not require it, and a process without it has no numpy RNG
+    to carry across a resume."""
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch, numpy (where installed) and python alike (what Lightning's seed_everything does)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = installed_numpy()
+    if np is not None:
+        np.random.seed(seed)
+
+
 def capture_rng_state() -> dict[str, Any]:
-    """This process's torch (CPU and CUDA), numpy and python RNG states, as tensors/ints/tuples."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-    }
+    """This process's torch (CPU and CUDA), numpy (where installed) and python RNG states, as tensors/ints/tuples."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    np = installed_numpy()
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        state["numpy"] = {"name": name, "keys": torch.tensor([int(k) for k in keys], dtype=torch.int64),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -149,9 +167,11 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     """Put back what `capture_rng_state` returned (possibly after a weights_only round trip)."""
     torch.set_rng_state(state["torch"].cpu())
     random.setstate(_as_python_state(state["python"]))
-    numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["name"], numpy_state["keys"].cpu().numpy().astype(np.uint32),
-                         numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    numpy_state, np = state.get("numpy"), installed_numpy()
+    if numpy_state is not None and np is not None:
+        keys = np.asarray(numpy_state["keys"].cpu().tolist(), dtype=np.uint32)
+        np.random.set_state((numpy_state["name"], keys, numpy_state["pos"], numpy_state["has_gauss"],
+                             numpy_state["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([part.cpu() for part in state["cuda"]])
 

@@ -60,18 +60,16 @@ is Lightning's, the RNG and data verdicts name the remedy this package ships
 
 from __future__ import annotations
 
-import random
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pytest
 import torch
 
 from ..adapter import FitObserver, StepInfo, TrainState
-from ..resumable import capture_rng_state, restore_rng_state
+from ..resumable import capture_rng_state, restore_rng_state, seed_all
 from ..runner.parent.verdict import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support import shared_fit
@@ -112,10 +110,7 @@ def _newest_file(directory: Path) -> str | None:
 
 
 def _disturb_rng(rank: int) -> None:
-    seed = 9_000 + 101 * rank
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
+    seed_all(9_000 + 101 * rank)
 
 
 CPU_MANY_RANKS_RTOL = 5e-5  # ~10x the largest measured difference: 4.9e-6 (ws 3, basic.yaml, BatchNorm), 1.2e-7 (ws 4)

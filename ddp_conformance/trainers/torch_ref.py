@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -51,6 +49,7 @@ from ..resumable import (  # noqa: F401  (gather_rng_states: re-exported for the
     gather_rng_states,
     restore_rng_state,
     rng_state_for_rank,
+    seed_all,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,13 +135,6 @@ def split_batch(batch: Sequence[torch.Tensor], parts: int) -> list[list[torch.Te
         return [list(batch)]
     pieces = [torch.tensor_split(t, parts) for t in batch]
     return [[p[i] for p in pieces] for i in range(parts) if len(pieces[0][i])]
-
-
-def seed_all(seed: int) -> None:
-    """Seed torch, numpy and python the same on every rank (what Lightning's seed_everything does)."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def atomic_save(payload: Any, path: Path) -> None:

@@ -39,9 +39,14 @@ def assert_fits_and_nothing_is_cut(doc: dict[str, Any], lines: list[str], width:
         missing = [token for token in summary.split() if token not in tokens]
         assert not missing, f"{result['trainer']} / {result['check']}: {missing} cut from the matrix"
     below = " ".join(line.strip() for line in lines)
-    for n, result in enumerate((r for r in doc["results"] if r["outcome"] != "passed"), start=1):
-        expected = f"[{n}] {result['trainer']} / {result['check']} {result['outcome']}: "
-        assert expected + " ".join(result["message"].split()) in below
+    notes: dict[tuple[str, str, str], list[str]] = {}  # one note per trainer, outcome and message
+    for result in doc["results"]:
+        if result["outcome"] != "passed":
+            notes.setdefault((result["trainer"], result["outcome"], result["message"]), []).append(result["check"])
+    for n, ((trainer, outcome, message), checks) in enumerate(notes.items(), start=1):
+        named = ", ".join(checks) if len(checks) <= 3 else f"{checks[0]} ... {checks[-1]} ({len(checks)} checks)"
+        assert f"[{n}] {trainer} / {named} {outcome}: " + " ".join(message.split()) in below
+        assert below.count(" ".join(message.split())) == 1, f"{message!r} said more than once"
 
 
 def test_matrix_fits_120_columns_for_both_references_and_failing_mutants() -> None:
@@ -94,6 +99,24 @@ def test_narrower_widths_fit_and_too_narrow_becomes_a_list() -> None:
     lines = matrix_lines(RECORDED, width=50)
     assert_fits_and_nothing_is_cut(RECORDED, lines, width=50)
     assert "  resume_fidelity: PASS max |d| 6e-08 @7 (ckpt @3)" in lines
+
+
+def test_identical_skip_reasons_are_said_once_for_the_checks_they_cover() -> None:
+    """A trainer that cannot be built fails its first check and skips every other with one reason."""
+    reason = "trainer broken could not be built: see test_conformance[broken-rank_participation]"
+    results = [{"trainer": "broken", "spec": "broken", "check": CHECK_IDS[0], "outcome": "failed",
+                "figures": {}, "message": "could not be built: ImportError: no module named nope"}]
+    results += [{"trainer": "broken", "spec": "broken", "check": check, "outcome": "skipped", "figures": {},
+                 "message": reason} for check in CHECK_IDS[1:]]
+    results += [{"trainer": "torch", "spec": "torch", "check": check, "outcome": "skipped", "figures": {},
+                 "message": reason} for check in CHECK_IDS[1:3]]  # the same words for another trainer: its own note
+    doc = {"world_size": 2, "backend": "gloo", "results": results}
+    lines = matrix_lines(doc)
+    below = " ".join(line.strip() for line in lines)
+    assert below.count(reason) == 2, lines
+    assert f"[2] broken / {CHECK_IDS[1]} ... {CHECK_IDS[-1]} ({len(CHECK_IDS) - 1} checks) skipped: {reason}" in below
+    assert f"[3] torch / {CHECK_IDS[1]}, {CHECK_IDS[2]} skipped: {reason}" in below
+    assert any("skip [2]" in line for line in lines) and not any("[4]" in line for line in lines)
 
 
 def test_the_schema_is_valid_and_names_every_check() -> None:
