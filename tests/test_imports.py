@@ -1,9 +1,10 @@
 """Every import the plugin makes is declared in pyproject.toml or guarded, read from the source.
 
-torch does not require numpy, and an environment that lacks an undeclared package made every check fail with a
-traceback of importlib frames: so the package imports only the standard library and what pyproject declares
-(Lightning only where a `lightning:` trainer or its pieces need it, as the extra says), and what it uses where
-present (numpy's RNG state) is asked for through `importlib` and works without it.
+An environment that lacked an undeclared package (numpy, which torch does not require) made every check fail with
+a traceback of importlib frames: so the package imports only the standard library and what pyproject declares
+(Lightning only where a `lightning:` trainer or its pieces need it, as the extra says). numpy is declared for
+torch.distributed's object collectives, which read their buffers through it; the plugin's own code reads tensors
+without it, and the RNG helpers users import (`resumable`) work in a process that has none.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ddp_conformance"
 #: the modules pyproject's dependencies provide, and the distribution that provides each
-DECLARED = {"torch": "torch", "pytest": "pytest", "_pytest": "pytest", "yaml": "pyyaml", "pluggy": "pytest"}
+DECLARED = {"torch": "torch", "numpy": "numpy", "pytest": "pytest", "_pytest": "pytest", "yaml": "pyyaml",
+            "pluggy": "pytest"}
 #: the `lightning` extra: imported only by the modules a Lightning trainer or a user's Lightning project loads
 LIGHTNING_EXTRA = {"lightning", "lightning_fabric", "pytorch_lightning"}
 
@@ -98,3 +100,22 @@ def test_with_numpy_its_rng_state_is_carried() -> None:
     np.random.seed(6)
     restore_rng_state(state)
     assert (np.random.rand(3) == drawn).all()
+
+
+def test_without_numpy_the_harness_reads_tensor_bytes() -> None:
+    """Every digest of the recorder and the checks reads tensors through `tensor_bytes`: `Tensor.numpy()` raised
+    "Numpy is not available" in every check of an environment with torch and pytest only."""
+    script = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["numpy"] = None
+        warnings.simplefilter("ignore")
+        import torch
+        from ddp_conformance.checks.support.observe import input_digest
+        from ddp_conformance.checks.support.model_state import digest
+        from ddp_conformance.checks.support.tensor_bytes import tensor_bytes
+        t = torch.arange(6, dtype=torch.float32)
+        assert bytes(tensor_bytes(t)) == bytes(tensor_bytes(t.reshape(2, 3).t().contiguous().t()))
+        assert input_digest([t, torch.zeros(3).expand(2, 3)]) and digest({"w": t})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
