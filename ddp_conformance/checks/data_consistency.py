@@ -9,9 +9,11 @@ trains on, its own private data. Nothing crashes and the loss still falls.
 How: each rank reseeds its RNGs from OS entropy (as a fresh process starts, whatever earlier tests
 left), builds the trainer's dataset (`make_dataset`), reads the same SAMPLES indices on every rank
 (drawn by a fixed seed from the dataset's length, first and last included) twice each, and hashes
-the items' bytes (`states.item_digest`). Items whose two reads differ (random augmentation in
+the items' bytes (`model_state.item_digest`: a tensor by its dtype, shape and values, whatever its layout,
+strides, device or class, `tensor_bytes`). Items whose two reads differ (random augmentation in
 `__getitem__`) are left out of the comparison; when none is left, the check is skipped with that
-reason, as it is for a dataset that cannot be indexed. The first rank, in rank order, whose items
+reason, as it is for a dataset that cannot be indexed and for an item holding a tensor whose values
+cannot be read (a meta tensor), which the skip names. The first rank, in rank order, whose items
 differ from rank 0's is named, with the first index where they differ.
 
 A trainer that cannot build its dataset on its own (a `script:` SPEC, whose dataset only its run
@@ -38,6 +40,7 @@ from .support.model_state import item_digest
 from .support.observe import through_subsets
 from .support.progress import guarded_fit
 from .support.sampling import per_rank_split
+from .support.tensor_bytes import UnreadableTensor
 
 SAMPLES = 16
 INDEX_SEED = 0
@@ -54,7 +57,10 @@ def _read(dataset: Any, indices: list[int]) -> dict[int, str | None]:
     """index -> digest of the item, or None when two reads of it differ (the item is random)."""
     found: dict[int, str | None] = {}
     for index in indices:
-        first, second = item_digest(dataset[index]), item_digest(dataset[index])
+        try:
+            first, second = item_digest(dataset[index], strict=True), item_digest(dataset[index], strict=True)
+        except UnreadableTensor as exc:
+            raise UnreadableTensor(f"item {index} holds a tensor the harness cannot read, {exc}") from exc
         found[index] = first if first == second else None
     return found
 
@@ -74,6 +80,8 @@ def _view(dataset: Any) -> dict[str, Any]:
         size = len(dataset)  # type: ignore[arg-type]
         indices = sample_indices(size)
         return {"size": size, "digests": _read(dataset, indices), **_split_of(dataset)}
+    except UnreadableTensor as exc:
+        return {"lacks": f"the trainer's dataset's {exc}: the ranks' items cannot be compared"}
     except (TypeError, NotImplementedError, KeyError) as exc:
         return {"unindexable": f"{type(dataset).__name__}: {type(exc).__name__}: {exc}".splitlines()[0][:200]}
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ...adapter import TrainState
+from .tensor_bytes import readable_bytes, shape_of, tensor_bytes
 
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -62,19 +63,38 @@ def _same(x: Any, y: Any, rtol: float) -> tuple[bool, float | None]:
     if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
         if x.shape != y.shape or x.dtype != y.dtype:
             return False, None
-        if torch.equal(x, y):
+        if _equal(x, y):
             return True, None
-        if not x.is_floating_point():
-            return False, float((x.double() - y.double()).abs().max())
-        if x.element_size() < 4:  # half types: their deltas would round to 3 digits
-            x, y = x.float(), y.float()
-        # in the tensors' own dtype, from the extremes: float64 copies of 58 MB of parameters cost ~0.2 s a rank
-        delta = _largest(x - y) if x.numel() else 0.0
-        scale = _largest(x) if x.numel() else 0.0
-        return delta <= rtol * scale, delta
+        try:
+            return _within(x, y, rtol)
+        except (RuntimeError, NotImplementedError, TypeError):  # a layout or dtype torch's arithmetic lacks
+            return False, None  # (sparse, quantized): bitwise apart, by how much not told
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return False, None
     return x == y, None
+
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """torch.equal, or where a layout or device has no `equal` (sparse, meta), the same bytes (`tensor_bytes`)."""
+    try:
+        return bool(torch.equal(x, y))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return bytes(readable_bytes(x)) == bytes(readable_bytes(y))
+
+
+def _within(x: torch.Tensor, y: torch.Tensor, rtol: float) -> tuple[bool, float | None]:
+    """Whether two unequal tensors of one shape and dtype are within rtol x x's largest |value|, and by how much."""
+    if x.is_complex():
+        delta, scale = float((x - y).abs().max()), float(x.abs().max())
+        return delta <= rtol * scale, delta
+    if not x.is_floating_point():
+        return False, float((x.double() - y.double()).abs().max())
+    if x.element_size() < 4:  # half types: their deltas would round to 3 digits
+        x, y = x.float(), y.float()
+    # in the tensors' own dtype, from the extremes: float64 copies of 58 MB of parameters cost ~0.2 s a rank
+    delta = _largest(x - y) if x.numel() else 0.0
+    scale = _largest(x) if x.numel() else 0.0
+    return delta <= rtol * scale, delta
 
 
 def tensors_differ(reference: dict[str, Any], other: dict[str, Any], rtol: float = 0.0) -> bool:
@@ -85,7 +105,7 @@ def tensors_differ(reference: dict[str, Any], other: dict[str, Any], rtol: float
         if got is None or got.shape != value.shape:
             return True
         got = got.detach().to(value.device)
-        if torch.equal(value, got):
+        if _equal(value, got):
             continue
         if rtol == 0 or not _same(value, got, rtol)[0]:
             return True
@@ -165,40 +185,38 @@ def digest(tensors: dict[str, Any]) -> str:
 
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
         h.update(name.encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        h.update(readable_bytes(tensors[name]))
     return h.hexdigest()
 
 
-def item_digest(item: Any) -> str:
+def item_digest(item: Any, strict: bool = False) -> str:
     """A hash of a dataset item's content: tensors and arrays by dtype, shape and bytes, containers
     element by element, anything else by pickle (or repr), so that ranks can compare items without
-    sending them. Equal content gives equal digests in every process."""
+    sending them. Equal content gives equal digests in every process, whatever a tensor's layout, strides
+    or device (`tensor_bytes`). A tensor it cannot read raises `UnreadableTensor` where `strict`, else is
+    hashed by its description."""
     h = hashlib.sha256()
-    _feed(h, item)
+    _feed(h, item, tensor_bytes if strict else readable_bytes)
     return h.hexdigest()
 
 
-def _feed(h: Any, value: Any) -> None:
+def _feed(h: Any, value: Any, read: Callable[[torch.Tensor], Any]) -> None:
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        h.update(f"tensor {value.dtype} {shape_of(value)};".encode())
+        h.update(read(value))
     elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
         h.update(f"array {getattr(value, 'dtype', '')} {getattr(value, 'shape', '')};".encode())
         h.update(value.tobytes())
     elif isinstance(value, dict):
         h.update(f"dict {len(value)};".encode())
         for key in sorted(value, key=repr):
-            _feed(h, key)
-            _feed(h, value[key])
+            _feed(h, key, read)
+            _feed(h, value[key], read)
     elif isinstance(value, (list, tuple)):
         h.update(f"{type(value).__name__} {len(value)};".encode())
         for element in value:
-            _feed(h, element)
+            _feed(h, element, read)
     elif value is None or isinstance(value, (str, bytes, int, float, bool)):
         h.update(f"{type(value).__name__} {value!r};".encode())
     else:
