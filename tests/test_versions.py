@@ -8,7 +8,8 @@ The private APIs are asserted by use (a call that must answer as the code expect
 
 The private APIs, and the test that fails when one changes:
 - torch: `ProcessGroup._get_sequence_number_for_group`, `distributed_c10d._get_default_store`,
-  `DistributedDataParallel._get_ddp_logging_data`, `Tensor._base`/`_is_view`: here, and
+  `DistributedDataParallel._get_ddp_logging_data`, `Tensor._base`/`_is_view`, `_C._current_graph_task_id`
+  (observe.py's `recomputing`): here, and
   tests/checks/test_verdicts.py (`_base`/`_is_view` meaning), tests/trainers/test_references.py (the
   logging data's keys);
 - pytest: `_pytest.assertion.pytest_runtest_protocol` (tests/runner/rank/test_assertion_explanations.py),
@@ -110,3 +111,14 @@ def test_the_private_torch_apis_the_harness_reads_answer(ddp) -> None:
     built_in._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     assert comm_hook_name(hooked) == "fp16_compress_hook"
     assert comm_hook_name(built_in) == "BuiltinCommHookType.FP16_COMPRESS"
+
+    from torch.utils.checkpoint import checkpoint
+
+    from ddp_conformance.checks.support.observe import recomputing
+
+    seen: list[bool] = []
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_pre_hook(lambda *_: seen.append(recomputing()))
+    for reentrant in (True, False):  # the forward, then its recomputation inside the backward
+        checkpoint(layer, torch.ones(2, 4, requires_grad=True), use_reentrant=reentrant).sum().backward()
+    assert seen == [False, True, False, True]

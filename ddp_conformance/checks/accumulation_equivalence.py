@@ -1,5 +1,5 @@
 """accumulation_equivalence: k accumulated micro-batches apply the gradient of one batch k times
-larger, and the fit takes the k the config gives it.
+larger, and the fit takes the k the config claims.
 
 The guides' promise: with `accumulate_grad_batches: k` the effective batch is batch x GPUs x k. A
 loop breaks it silently in three ways: it steps after every micro-batch (the config's k never reaches
@@ -8,23 +8,28 @@ or it zeroes the gradients inside the window (only the last micro-batch counts).
 every micro-batch (no `no_sync` on the earlier ones) gives the right gradient at k times the
 communication: noted, not failed (under `static_graph` it is required: pytorch#143580).
 
-Reads the dropout-free fit other checks share (`shared_fit.steady`), which keeps its first optimizer
-step: how many micro-batches it took on each rank (k observed), which of them DDP synchronised, the
-gradients it applied and the samples each rank drew. Where the config's `accumulate_grad_batches`
-(after the trainer's own `setup`) is above 1, k observed must be it; where it is 1, a trainer may
-accumulate by a setting of its own (Lightning's manual optimization must), which is noted. Where k
-observed is above 1, the applied gradients are compared with the single-process gradient of all the
-samples the ranks drew for that step, as gradient_equivalence compares the fit's first step
-(`fit_step.first_step_compared`, its tolerance): a ratio of k or 1/k, or the last micro-batch's
-gradient alone, is this check's verdict; any other difference is gradient_equivalence's.
+Observes, on every rank, the first optimizer step of the dropout-free fit other checks share
+(`shared_fit.steady`): how many micro-batches (training forwards) it took (k observed), which of them DDP
+synchronised, the gradients it applied and the samples each rank drew. The config's `accumulate_grad_batches`
+(after the trainer's own `setup`) is a claim: above 1, k observed must be it (the verdict names both);
+at 1, a trainer may accumulate by a setting of its own (Lightning's manual optimization must, a script by its
+own flag), which is noted. Where k observed is above 1, the applied gradients are compared with the
+single-process gradient of all the samples the ranks drew for that step, computed by the trainer's own loss
+at k = 1 (`accumulation_watch.at_one_micro_batch`: a loss that reads the accumulation from the trainer, as
+`self.trainer.accumulate_grad_batches`, must not divide the reference too), as gradient_equivalence compares
+the fit's first step (`fit_step.first_step_compared`, its tolerance): a ratio of k or 1/k, or the last
+micro-batch's gradient alone, is this check's verdict; any other difference is gradient_equivalence's.
+A script (`script:` SPEC) is run at k = 1 by the SPEC's `{accumulate_grad_batches}`, fed the whole window as
+one batch (`gradient_equivalence/script_window.py`).
 
-A ratio of k is also what a loop that sums gradients over the ranks gives where k equals the world
-size: the two are told apart only where they differ, and the world size is named first.
+Assumes equal micro-batches (their mean of means is the mean) and that a window's micro-batches are the
+training forwards before its optimizer step. A ratio of k is also what a loop that sums gradients over the
+ranks gives where k equals the world size: the two are told apart only where they differ, and the world
+size is named first.
 
 Skips, with the reason: a fit whose first optimizer step follows one micro-batch where the config
-asks for no accumulation; a trainer that runs its own command line (a script: no config to hold it
-to, and gradient_equivalence reruns its first step, accumulated or not, and names these causes
-there); a first step that cannot be recomputed in one process (dropout drawn in it, BatchNorm in
+asks for no accumulation; a script that accumulates by a setting its SPEC does not carry (no reference at
+k = 1 can be run); a first step that cannot be recomputed in one process (dropout drawn in it, BatchNorm in
 training mode, no dataset indices, micro-batches of unequal sizes).
 """
 
@@ -36,10 +41,18 @@ import pytest
 
 from .gradient_equivalence import RTOL
 from .gradient_equivalence.fit_step import first_step_compared
+from .gradient_equivalence.script_window import judge_script_window
 from .support import shared_fit
+from .support.accumulation_watch import (
+    at_one_micro_batch,
+    claim_disagrees,
+    over_ranks_note,
+    own_setting,
+    window_per_step,
+)
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.first_steps import overflow_reason, own_config
-from .support.gradients import is_accumulation_cause, single_process_adapter
+from .support.gradients import is_accumulation_cause
 from .support.observe import FitRecord
 
 
@@ -47,10 +60,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     config = shared_fit.steady_config(ctx)
     own = own_config(ctx, config)
-    if not ctx.takes_config:
-        pytest.skip(f"trainer {ctx.spec.label} runs its own command line, not the harness's config: there is no "
-                    "configured accumulation to hold it to, and its first optimizer step's gradient, accumulated or "
-                    "not, is gradient_equivalence's (a rerun of the script's step)")
+    script = not ctx.takes_config
     asked = own.trainer.accumulate_grad_batches
     record = shared_fit.steady(ctx).record
     first = record.first_step
@@ -58,24 +68,34 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         pytest.skip("the fit applied no optimizer step with gradients, so there is no accumulation window to judge "
                     "(rank_participation judges a fit that never steps)")
     overflowed = max(all_gather(first.overflowed))
-    if overflowed:
+    per_step = all_gather(window_per_step(first.micro_batches, first.overflowed))
+    if None in per_step:
         pytest.skip(f"{overflow_reason(overflowed)}: its window is not one accumulation window, so there is none to "
                     "judge")
-    windows = all_gather(first.micro_batches)
+    windows = [int(window) for window in per_step]
     figures: dict[str, Any] = {"configured": asked, "micro_batches_per_step": windows}
-    if asked > 1 and any(window != asked for window in windows):
-        raise ctx.fail(_not_the_configured(asked, windows), **figures)
+    carried = script and bool(getattr(ctx.adapter(), "carries_accumulation", False))
+    disagreement = claim_disagrees(asked, windows, script, carried)
+    if disagreement:
+        raise ctx.fail(disagreement, **figures)
+    if carried and over_ranks_note(asked, windows):
+        ctx.note(over_ranks_note(asked, windows))
     if max(windows) == 1:
         pytest.skip("the config asks for no gradient accumulation (accumulate_grad_batches 1) and the fit's first "
                     "optimizer step follows one micro-batch")
-    if asked == 1:  # Lightning's manual optimization must leave the Trainer's at 1 and accumulate on its own
-        ctx.note(f"the fit accumulates {windows[0]} micro-batches a step by a setting of its own: the config's "
-                 "accumulate_grad_batches is 1")
+    if overflowed:
+        pytest.skip(f"{overflow_reason(overflowed)}: the window's gradient is not the gradient of its micro-batches, "
+                    f"so there is none to compare (the window's structure was: {windows[0]} micro-batches a step)")
+    own_window = own_setting(asked, windows, script)
+    if own_window:  # Lightning's manual optimization must leave the Trainer's at 1 and accumulate on its own
+        ctx.note(own_window)
     _note_syncs(ctx, record, windows[ctx.rank])
+    if script:
+        return _script(ctx, carried, figures)
     rtol = RTOL.get(ctx.rank_ctx.device_type, {}).get(ctx.config.trainer.precision)
     if rtol is None:
         pytest.skip(f"no measured gradient tolerance for precision {ctx.config.trainer.precision!r} on this device")
-    compared = first_step_compared(ctx, single_process_adapter(ctx) or ctx.adapter(), rtol)
+    compared = first_step_compared(ctx, at_one_micro_batch(ctx, ctx.config), rtol, reference=at_one_micro_batch)
     if isinstance(compared, str):
         pytest.skip(f"{compared}, so the accumulated gradient is not compared (the window's structure was: "
                     f"{windows[0]} micro-batches, as configured)")
@@ -92,14 +112,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     return figures
 
 
-def _not_the_configured(asked: int, windows: list[int]) -> str:
-    taken = ", ".join(sorted({str(w) for w in windows}))
-    if asked > 1 and max(windows) == 1:
-        return (f"the fit steps after every micro-batch although accumulate_grad_batches is {asked}: the config's "
-                f"accumulation never reaches the loop (its first optimizer step took {taken} micro-batch per rank), "
-                f"so each step applies the gradient of 1/{asked} of the configured batch")
-    return (f"the fit's first optimizer step takes {taken} micro-batch(es) per rank, but accumulate_grad_batches is "
-            f"{asked}: the loop accumulates over another window than the config's")
+def _script(ctx: CheckContext, carried: bool, figures: dict[str, Any]) -> dict[str, Any]:
+    """A script's window: its gradients held across the window, seen in its fit, and where its SPEC can set k
+    (`carried`), its gradient against the script at k = 1 (`script_window.py`)."""
+    return judge_script_window(ctx, ctx.adapter(), carried, figures)
 
 
 def _note_syncs(ctx: CheckContext, record: FitRecord, window: int) -> None:

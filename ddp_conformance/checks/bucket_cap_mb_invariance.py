@@ -35,7 +35,8 @@ times that; a communication hook that clips per bucket moves the references by 0
 ranks sharing the GPU), the references at fp32, bf16-mixed and 16-mixed: 0 at world size 2, up to 2.6e-7 at 4.
 Skips, with the reason: a world of one (no all-reduce), a trainer that runs its own command
 line (a script: the harness cannot set its cap), a trainer whose DDP ignores the config's cap when
-the config sets none (nothing to vary; where the config sets one that never reaches DDP, a failure).
+the config sets none (nothing to vary; where the config sets one that never reaches DDP, a failure),
+fits apart where the same fit run twice parts too (`support/reproducible.py`: "the fit is not reproducible").
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from .support.first_steps import final_floats, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
 from .support.progress import guarded_fit
+from .support.reproducible import require_reproducible
 
 MB = 1 << 20
 #: optimizer steps each fit runs, as many as the dropout-free fit it is compared with (the second is the first
@@ -114,6 +116,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         ctx.note(f"the tolerance {fmt(TOLERANCE)} was measured on {', '.join(MEASURED_ON)} only, not on "
                  f"{ctx.rank_ctx.device_type}")
     if worst[0] > TOLERANCE:
+        require_reproducible(ctx, "bucket_cap_mb", TOLERANCE)  # fits that agree show the fit repeats; these part
         base = f"{configured:.3g} MB" if configured is not None else "DDP's default cap"
         raise ctx.fail(f"the gradients depend on bucket_cap_mb: after {STEPS} steps with {worst[2]:.3g} MB buckets "
                        f"{worst[1]} differs from the fit with {base} by {fmt(worst[0])} of its largest value "

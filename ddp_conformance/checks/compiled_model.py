@@ -16,12 +16,18 @@ layers runs both fits with them at 0, since a compiled graph draws its masks in 
 states (parameters and buffers) are compared per tensor, relative to each tensor's largest value, within
 `TOLERANCE`, by precision.
 
+Precondition (`support/reproducible.py`): before final states apart are blamed on torch.compile, the eager side
+run twice from scratch must end in the same place (the shared fit and its kept repeat, or this check's own eager
+fit, with dropout at 0 or under force_eager, again). A script that never seeds its model or data
+(the DDP tutorial's, minGPT's) trains another model every fit, 1.88 and 1.98 apart; it skips, naming
+resume_fidelity's "the fit is not reproducible". Fits that agree need no such proof, and pay no repeat.
+
 Verdicts: final states apart beyond the tolerance fail, naming the worst tensor and, where the fit
 registered module hooks after its first forward, those hooks; a compiled fit that raises where the eager
-one trains fails with its error's first line. Skips, with the reason: a Python torch.compile does not
-support, a machine without a C++ compiler inductor can run, a fit through no DDP, a precision without a
-measured tolerance, a trainer that compiles itself on a torch without `set_stance`, a bucket cap dynamo's
-DDPOptimizer refuses to split the graph at.
+one trains fails with its error's first line. Skips, with the reason: a fit that is not reproducible, a Python
+torch.compile does not support, a machine without a C++ compiler inductor can run, a fit through no DDP, a
+precision without a measured tolerance, a trainer that compiles itself on a torch without `set_stance`, a
+bucket cap dynamo's DDPOptimizer refuses to split the graph at.
 
 Opt-in (`--ddp-checks compiled_model`): compiling costs seconds a trainer on a CPU.
 """
@@ -44,6 +50,7 @@ from .support.first_steps import dropout_layers, final_floats, zero_dropout
 from .support.gradients import max_delta
 from .support.observe import unwrapped
 from .support.progress import PeerFitFailed, guarded_fit
+from .support.reproducible import require_agreement, require_reproducible
 
 STEPS = shared_fit.STEADY_STEPS
 #: the largest relative difference per tensor between the compiled and the eager fit that counts as rounding, by
@@ -167,9 +174,26 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     seen = [hook for watch in watches for hook in watch.hooks_registered()]  # by the fits that ran here
     hooks = sorted({hook for hooks in all_gather(seen) for hook in hooks})
     if relative > tolerance:
+        ctx.figures.update(figures)
+        _eager_repeats(ctx, eager, watches[0] if own or dropout else None, own, tolerance)
         raise ctx.fail(_apart(name, relative, tolerance, hooks), **figures)
     figures["summary"] = f"compiled: same {STEPS} steps"
     return figures
+
+
+def _eager_repeats(ctx: CheckContext, eager: TrainState, watch: CompileOnWrap | None, own: bool,
+                   tolerance: float) -> None:
+    """Skip, naming resume_fidelity's "not reproducible", where the eager side run again ends elsewhere (fits
+    that agree show the fit repeats; two that part may only show that it does not): the shared fit and its
+    kept repeat, or this check's own eager fit (`watch`: with dropout at 0, or under force_eager) run again.
+    Not the shared fit for a trainer that compiles itself: a compiled fit with a late hook repeats only as
+    far as dynamo's cache does, which is the bug this check names."""
+    if watch is None:
+        require_reproducible(ctx, "torch.compile", tolerance)
+        return
+    again, error = _fit(ctx, "eager-repeat", CompileOnWrap(False, watch.without_dropout), eager=own)
+    if error is None:
+        require_agreement(ctx, eager, again, "torch.compile", tolerance)
 
 
 def _compile_supported() -> None:

@@ -146,8 +146,20 @@ def _after_first_step(states: list[StartState]) -> str:
     if found is None:
         return ""
     kind, name, ranks, more = found
+    cause = _no_gradient_cause(states, name) if not start[name].gradient else _after_cause(states[0], start[name])
     return (f"{kind} {name!r} is identical on every rank at the first forward and differs after the first optimizer "
-            f"step ({ranks_label(ranks)} against rank 0){more}: {_after_cause(states[0], start[name])}")
+            f"step ({ranks_label(ranks)} against rank 0){more}: {cause}")
+
+
+def _no_gradient_cause(states: list[StartState], name: str) -> str:
+    """Why a parameter that gets no gradient (requires_grad=False) parts the ranks in the first step."""
+    changed = [rank for rank, state in enumerate(states) if state.after.get(name) != state.start[name].digest]
+    kept = [rank for rank in range(len(states)) if rank not in changed]
+    how = (f"it changes with no gradient on {ranks_label(changed)} and stays as it started on {ranks_label(kept)}"
+           if kept else "it changes with no gradient on every rank, differently")
+    return (f"a parameter that gets no gradient (requires_grad=False): {how}; DDP all-reduces gradients and never "
+            "touches parameters that get none after it is built, so an EMA or teacher copy updated on one rank only "
+            "(under `if rank == 0`?) parts the ranks' models: update it on every rank alike")
 
 
 def _after_cause(state: StartState, tensor: TensorState) -> str:

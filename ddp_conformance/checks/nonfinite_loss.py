@@ -25,7 +25,10 @@ rank's micro-batch count and final parameters (finite, and a digest to compare):
 - the ranks end with different parameters: some stepped on it and some did not;
 - every rank ends with non-finite parameters: every rank stepped on it, silently;
 - every rank ends finite and alike (every rank skipped the step, or zeroed its averaged gradients), or
-  every rank stopped at once with the same error: passes.
+  every rank stopped at once with the same error: passes. A GradScaler passes so (minGPT's AMP loop): DDP
+  averages the NaN into every rank's gradients, so every rank's scaler skips that step. Its steps are counted
+  as the trainer counts them, the skipped one included, by the recorder and by a script's step count alike:
+  counted by `optimizer.step()` alone, a script's fit(3) "took 2 optimizer steps, not 3" and was refused.
 Skipped where the NaN could not be placed (no module with parameters ran after step 1 on that rank) or did
 not reach the model's own output in that micro-batch (read where it is a floating-point tensor): the step
 judged would be a finite one.

@@ -34,6 +34,7 @@ from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdic
 from .support.model_state import OUTSIDE, drifted, trained
 from .support.observe import FitRecord
 from .support.progress import Progress, guarded_fit
+from .support.replica_watch import ReplicaTrail, frozen_changers, modes_apart
 from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
 STEPS = shared_fit.STEADY_STEPS
@@ -74,6 +75,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         low = [r for r, m in enumerate(micro) if m == min(micro)]
         raise ctx.fail(f"{ranks_label(low)} ran {min(micro)} forward/backward micro-batches where others ran "
                        f"{max(micro)} (per rank: {micro}): the ranks do not train the same steps", **figures)
+    trails = all_gather(record.replicas if record is not None else ReplicaTrail())
+    apart = modes_apart(trails)
+    if apart:
+        raise ctx.fail(apart[1], **figures)
     losses = [p.extra.get("losses", []) for p in progress]
     # None where a rank reported no losses (a script: SPEC, an adapter that passes none): not the same losses
     figures["losses_differ_between_ranks"] = len({tuple(x) for x in losses}) > 1 if all(losses) else None
@@ -86,7 +91,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if not figures["params_identical"]:
         mine = trained(state.params, record, names, drift)
         bypassed = any(p.extra.get("bypassed_ddp") for p in progress)
-        raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0], bypassed), **figures)
+        raise ctx.fail(_divergence(mine, wrapped, is_ddp, micro[0], bypassed, trails), **figures)
     evidence = [p.extra.get("evidence") for p in progress]
     figures["nonzero_gradient_steps_per_rank"] = [e["nonzero_grad_steps"] if e else None for e in evidence]
     vacuous = vacuity_verdict(evidence, f"fit({STEPS})")
@@ -118,7 +123,8 @@ def _silent_verdict(silent: list[int], micro: int) -> str:
             f"alone (a loss multiplied by 0, masked or replaced on {that}?)")
 
 
-def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int, bypassed: bool = False) -> str:
+def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: int, bypassed: bool = False,
+                trails: list[ReplicaTrail] | None = None) -> str:
     """Which trained tensor differs most between ranks, and why (collective: every rank is done)."""
     everyone = all_gather({k: v.detach().cpu() for k, v in mine.items()})
     deltas = {name: max((_delta(tensor, other.get(name)) for other in everyone[1:]), default=0.0)
@@ -126,6 +132,13 @@ def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: 
     worst = max(deltas, key=lambda name: deltas[name])
     where = f"{worst.removeprefix(OUTSIDE)} max |delta| {fmt(deltas[worst])}"
     inside = [name for name, d in deltas.items() if d and not name.startswith(OUTSIDE)]
+    differing = {name for name, d in deltas.items() if d}
+    if inside and differing <= {name for trail in trails or [] for name in trail.frozen_names}:
+        frozen = frozen_changers(trails or [], differing)
+        return (f"the ranks' models part after {micro} micro-batches ({where}) while every parameter that gets a "
+                f"gradient agrees: {frozen}. DDP all-reduces gradients and never touches parameters that get none "
+                "after it is built: an EMA or teacher copy updated on one rank only (under `if rank == 0`?) trains "
+                "the ranks against different targets; update it on every rank alike")
     if worst.startswith(OUTSIDE) and not inside:
         return (f"a parameter the optimizer steps outside the DistributedDataParallel model differs between ranks "
                 f"after {micro} micro-batches ({where}), while the model's own parameters agree: not every gradient "

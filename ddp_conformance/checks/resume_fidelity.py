@@ -72,12 +72,14 @@ from ..adapter import FitObserver, StepInfo, TrainState
 from ..resumable import capture_rng_state, restore_rng_state, seed_all
 from ..runner.parent.verdict import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
-from .support import shared_fit
+from .support import lr_trail, shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
 from .support.observe import buffer_names
 from .support.parting import StopOnceParted
+from .support.per_rank_files import shared_writes
 from .support.progress import guarded_fit
+from .support.replica_watch import modes_apart, modes_resumed
 from .support.shared_fit import ObservedFit
 from .support.vacuity import skip_as_vacuous, vacuity_verdict
 
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
     from ..config import RunConfig
 
 BUFFERS_LOST = "the model's buffers are not restored"
+SCHEDULE_BY_TOTAL = "the learning-rate schedule is set by the total steps"
 
 
 class _FirstStepWeights(FitObserver):
@@ -148,6 +151,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     ctx.figures.update(figures)
     full = _uninterrupted(ctx, observed, figures)
     _ranks_stay_in_step(ctx, n, epoch, figures)
+    _ranks_train_alike(ctx, n, figures)
     part: TrainState | None = None
     at_checkpoint: dict[str, Any] = {}
     if observed.refused is not None:
@@ -174,6 +178,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if any(all_gather(bool(found))):
         if part is None:  # the state the shared fit checkpointed, and the RNG as it was there
             part, written, at_checkpoint = _at_checkpoint(ctx, observed, full, written)
+        modes = all_gather(modes_resumed(observed.record.replicas, ctx.recordings["resumed"].replicas, k, n))
+        if any(modes):
+            ranks = [rank for rank, mode in enumerate(modes) if mode]
+            raise ctx.fail(f"state the checkpoint does not hold is lost on {ranks_label(ranks)}: "
+                           f"{next(mode for mode in modes if mode)}", **figures)
         weights = first.weights if all(all_gather(taken == k)) else None
         statics = all_gather(_diagnose(found, full, part, weights, checkpoint, n, k) if found else [])
         verdict = _rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n) or _follows_all(statics)
@@ -218,6 +227,22 @@ def _ranks_stay_in_step(ctx: CheckContext, n: int, epoch: int, figures: dict[str
                        "ends before that", **figures)
 
 
+def _ranks_train_alike(ctx: CheckContext, n: int, figures: dict[str, Any]) -> None:
+    """The ranks train their modules in the same mode at every step of the uninterrupted fit (the recorder reads each
+    module's training flag at every micro-batch): a rank that alone evaluates with model.eval() and never calls
+    model.train() trains in eval mode from then on, past rank_participation's few steps (collective)."""
+    __tracebackhide__ = hide_on_verdict
+    apart = modes_apart(all_gather(ctx.recordings["uninterrupted"].replicas))
+    if apart is None:
+        return
+    step, verdict = apart
+    if step <= PARTICIPATION_STEPS:
+        pytest.skip(f"{verdict} (rank_participation fails the trainer for it): the ranks train apart from the start, "
+                    "so no resume can be compared with the uninterrupted fit")
+    raise ctx.fail(f"in the uninterrupted fit({n}), {verdict}; rank_participation's fit({PARTICIPATION_STEPS}) ends "
+                   "before that", **figures)
+
+
 def _checkpoint_on_the_way(ctx: CheckContext, observed: ObservedFit,
                            figures: dict[str, Any]) -> tuple[Path, list[Any]]:
     """Rank 0's checkpoint the shared fit wrote at k, and what every rank wrote (files, checkpoint,
@@ -259,8 +284,10 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
     buffer digest, buffer names), and the RNG state it left."""
     own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}"
     own_dir.mkdir(parents=True, exist_ok=True)
-    part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
-        k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
+    with lr_trail.watching() as rates:
+        part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
+            k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
+    lr_trail.remember(ctx.recordings["until-checkpoint"], rates)
     at_checkpoint = capture_rng_state()
     record = ctx.recordings["until-checkpoint"]
     names = buffer_names(record.model)
@@ -279,8 +306,9 @@ def _judged_checkpoint(ctx: CheckContext, written: list[Any], fit: str, figures:
     checkpoint = written[0][1]
     if len({w[2] for w in written}) > 1 or drifted([w[3] for w in written])[0]:
         pytest.skip("the ranks' parameters already differ at the checkpoint, before any resume (gradients are not "
-                    "synchronised: see rank_participation / gradient_equivalence); a rank-0 checkpoint cannot "
-                    "resume the other ranks, so resume fidelity cannot be judged")
+                    "synchronised, or parameters that get no gradient are updated per rank: rank_participation and "
+                    "gradient_equivalence name which); a rank-0 checkpoint cannot resume the other ranks, so resume "
+                    "fidelity cannot be judged")
     # every rank's own view of rank 0's file (gathered, so that all take one branch): a path outside the shared
     # directory, or a network filesystem's cache, can hide it from some ranks only
     seen = all_gather(bool(checkpoint) and Path(checkpoint).exists())
@@ -293,13 +321,20 @@ def _judged_checkpoint(ctx: CheckContext, written: list[Any], fit: str, figures:
 
 def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Path, given: Path,
                            figures: dict[str, Any]) -> None:
-    """Only rank 0 wrote files, each rank into `checkpoint_dir`s of its own (`given` is rank 0's)."""
-    others = [(r, files) for r, (files, *_) in enumerate(written) if r != 0 and files]
+    """Only rank 0 wrote files, each rank into `checkpoint_dir`s of its own (`given` is rank 0's), apart
+    from files each rank writes under a name of its own beside rank 0's (`per_rank_files`)."""
+    others, per_rank = shared_writes([files for files, *_ in written])
     if others:
         r, files = others[0]
         raise ctx.fail(f"rank {r} wrote checkpoint files ({', '.join(files[:3])}): only rank 0 may write checkpoints "
-                       "(every rank writing the same path races and can leave a corrupt file)", **figures)
-    if checkpoint.parent != given:
+                       "(every rank writing the same path races and can leave a corrupt file; a file of each "
+                       "rank's own carries its rank in its name beside rank 0's, as random_states_<rank>.pkl)",
+                       **figures)
+    if per_rank:
+        figures["per_rank_files"] = ", ".join(per_rank[:3])
+        ctx.note(f"every rank wrote files of its own beside rank 0's checkpoint ({', '.join(per_rank[:3])} on rank 1): "
+                 "per-rank state by design, not a shared path; the resume was given every rank's")
+    if not checkpoint.is_relative_to(given):
         ctx.note(f"rank 0 wrote its checkpoint outside the checkpoint_dir it was given ({checkpoint}), so writes "
                  "could not be attributed to ranks")
 
@@ -313,6 +348,16 @@ def _not_reproducible(ctx: CheckContext, label: str, k: int) -> str:
     if not differing:
         return ""
     rank, step = min(differing, key=lambda d: d[1])
+    schedule = all_gather(lr_trail.first_apart(ctx.recordings["uninterrupted"], ctx.recordings[label], step))
+    if label == "until-checkpoint" and schedule[rank] is not None:
+        at, longer, shorter = schedule[rank]
+        n = len(ctx.recordings["uninterrupted"].step_digests)
+        return (f"{SCHEDULE_BY_TOTAL}: the fit to {k} that writes the checkpoint steps with learning rate "
+                f"{shorter[0]:.6g} at step {at}, the fit to {n} with {longer[0]:.6g} (each fit is its own run: "
+                f"they part after step {step} on rank {rank}), so no checkpoint of the fit to {k} can resume the "
+                f"fit to {n}: the schedule decays to the steps asked (a linear decay to --max_steps); have the fit "
+                "to n write the checkpoint on its way (a script: SPEC whose resume line names it by "
+                "{checkpoint_at} or {checkpoint_latest}; an adapter with checkpoints_once = True)")
     return (f"the fit is not reproducible: two fits from scratch already differ after step {step} on rank {rank} "
             "(its parameters), so a resume cannot be compared with either: an unseeded model, data order or "
             "dropout? (every rank starts with its own fresh seeds, as under torchrun)")

@@ -28,7 +28,11 @@ Verdicts: where the config sets `static_graph: true`, a fit that raises with it 
 it trains, or that ends elsewhere, fails, naming the cause (the error's first line; `no_sync` in the
 first iteration where the recorder saw it); a flag that never reaches DDP fails. Where the config
 leaves it off, the same findings are a skip that says whether it could be turned on. A fit that
-raises either way is the trainer's error, not this check's verdict. Skips, with the reason: a world
+raises either way is the trainer's error, not this check's verdict. A comparison fit that cannot run
+is not the trainer's failure: where the config sets `static_graph: true`, the static fit trains and the
+fit without it raises (a model that needs the setting: a block run twice under reentrant activation
+checkpointing marks its parameters ready twice without a static graph), the check judges what it
+can, that the flag reaches DDP and the fit trains, and notes that nothing was compared. Skips, with the reason: a world
 of one (no DDP reducer to rely on a graph), a trainer that runs its own command line (the harness
 cannot set its flag), a fit through no DDP, a trainer whose DDP ignores the config's flag when the
 config sets none.
@@ -48,6 +52,7 @@ from .support.first_steps import final_floats, own_config, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
 from .support.progress import PeerFitFailed, guarded_fit
+from .support.reproducible import require_reproducible
 
 #: optimizer steps of each fit: DDP records the graph in the first iteration and relies on it from the second
 STEPS = shared_fit.STEADY_STEPS
@@ -92,8 +97,10 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                             **({} if not configured else {"find_unused_parameters": True}))
     other = _fit(ctx, "static-graph-flipped", ctx.adapter(flipped))
     static, dynamic = (steady, other) if configured else (other, steady)
-    if dynamic.error is not None:  # the fit fails without a static graph too: the trainer's own error
-        raise dynamic.error
+    if dynamic.error is not None and (static.error is not None or not configured):
+        raise static.error if configured else dynamic.error  # the trainer's own setting raised: its own error
+    if dynamic.error is not None:
+        return _needs_static_graph(ctx, static, dynamic)
     if None in all_gather(dynamic.static):
         pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there is no static_graph "
                     "(rank_participation judges the wrapping)")
@@ -112,6 +119,34 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                     "False): there is nothing to compare")
     problem = _raised(static) if static.error is not None else _compare(ctx, static, dynamic, figures)
     return _conclude(ctx, configured, problem, figures)
+
+
+def _needs_static_graph(ctx: CheckContext, static: _Fit, dynamic: _Fit) -> dict[str, Any]:
+    """The configured static fit trained and the fit without a static graph raised: the model needs the setting
+    (reentrant activation checkpointing of a block used twice, say), so there is no fit to compare with. What is
+    judged: the flag reaches DDP and the fit trains."""
+    __tracebackhide__ = hide_on_verdict
+    figures: dict[str, Any] = {"steps": STEPS, "configured": True, "static_fit": "trained",
+                               "dynamic_fit": "raised"}
+    reported = all_gather(static.static)
+    if None in reported:
+        pytest.skip("the fit's micro-batches run through no DistributedDataParallel, so there is no static_graph "
+                    "(rank_participation judges the wrapping)")
+    if not all(reported):
+        raise ctx.fail("static_graph: true never reaches DDP: the DistributedDataParallel the fit builds reports "
+                       "static_graph=False", **figures)
+    ctx.note(f"the same fit with static_graph=False (find_unused_parameters=True) raised "
+             f"({_first_line(dynamic.error)}): this model trains only with a static graph (reentrant activation "
+             "checkpointing, say), so its fit is not compared with one without it")
+    figures["summary"] = "static graph: reaches DDP, trained (needed)"
+    return figures
+
+
+def _first_line(error: BaseException | None) -> str:
+    """An error's cause (a fit's `AdapterError` chains the trainer's own), as its type and first line."""
+    cause = error.__cause__ if error is not None and error.__cause__ else error
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}".rstrip(": ")
 
 
 def _steady(ctx: CheckContext) -> _Fit:
@@ -137,17 +172,15 @@ def _compare(ctx: CheckContext, static: _Fit, dynamic: _Fit, figures: dict[str, 
     figures.update(max_rel_delta=relative, worst_tensor=name, static_fit="trained")
     if relative <= TOLERANCE:
         return ""
+    require_reproducible(ctx, "static_graph", TOLERANCE)  # collective: `relative` is every rank's
     return (f"with static_graph=True the fit ends elsewhere after {STEPS} steps ({name} differs by {fmt(relative)} of "
             f"its largest value from the fit without it, summation order allows {fmt(TOLERANCE)})")
 
 
 def _raised(static: _Fit) -> str:
     """The cause of the static fit's error, in words: no_sync in the first iteration, or a graph that changes."""
-    cause = static.error.__cause__ if static.error is not None and static.error.__cause__ else static.error
-    text = str(cause).strip()
-    first = text.splitlines()[0][:200] if text else type(cause).__name__
     record = static.record
-    raised = f"{type(cause).__name__}: {first}"
+    raised = _first_line(static.error)
     if record is not None and record.optimizer_steps == 0 and record.synced and not record.synced[0]:
         return ("its first micro-batch runs under no_sync(), and a fresh static-graph DDP cannot start an "
                 f"accumulation window under no_sync (pytorch#143580, {ISSUE_143580}; stock Lightning's DDPStrategy "

@@ -17,6 +17,13 @@ scratch; right of it (optional): the one that resumes. Placeholders:
     {checkpoint_at:-N}             the same, but N when it writes none (`--eval_interval
                                    {checkpoint_at:-100000}`: an interval flag that must not be 0)
     {checkpoint}       resume line the checkpoint file to resume from (in that fresh copy)
+    {checkpoint_at}    resume line the step the checkpoint was written at: `{checkpoint_dir}/checkpoint-{checkpoint_at}`
+                                   (transformers Trainer), `{checkpoint_dir}/step_{checkpoint_at}` (accelerate)
+    {checkpoint_latest} resume line the latest checkpoint directly under that copy (highest number in its name,
+                                   else newest), as the fit's directory stood at the checkpoint step
+    {accumulate_grad_batches}  both lines  the run config's accumulate_grad_batches: for a script that
+                                   takes its accumulation as a flag; accumulation_equivalence then runs
+                                   it at 1 for its reference (without it the config is a claim)
 
 `{{` and `}}` are literal braces; anything else in braces is a SPEC error naming the argument. Paths
 are relative to the SPEC's base (where it was typed; the rootdir for an ini line).
@@ -46,7 +53,13 @@ In every rank the script runs as torchrun would run it: `sys.argv`, RANK / LOCAL
 LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, `__name__ == "__main__"`, its own folder first on
 `sys.path`. Its `init_process_group` joins the harness's group (the call is answered by the group
 that already exists) and its `destroy_process_group` leaves it standing for the next check;
-`sys.exit(0)` ends a fit, any other exit code fails it. What the script did is observed through the
+`sys.exit(0)` ends a fit, any other exit code fails it. A line may begin with `accelerate launch [its flags]`: the
+script then also gets the ACCELERATE_* variables the launcher would set (`accelerate_launch.py`).
+
+A resume line that names its checkpoint by `{checkpoint_at}` or `{checkpoint_latest}` says a later save goes
+elsewhere (`checkpoints_once`): resume_fidelity's fit to n writes the checkpoint on its way, so a schedule set by
+the total steps is the user's. Each resume's copy holds rank 0's directory as it was at step k with every other
+rank's own files merged in (per-rank RNG states: `script_checkpoints.py`). What the script did is observed through the
 harness's hooks (`checks/support/observe.py`), so every check judges the real run: data_consistency the
 dataset its training loader iterated, gradient_equivalence its first step against the same script
 rerun in a world of one (`checks/gradient_equivalence/script_step.py`), bucket_view_memory its own DDP and its gradients
@@ -56,7 +69,6 @@ at the optimizer step; what a script lacks for one of them is a skip naming it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import runpy
@@ -72,10 +84,19 @@ from unittest import mock
 
 from ..adapter import NotProvided, TrainerAdapter, TrainerBuildError
 from ..runner.rank.seeds import fresh_seeds
+from .accelerate_launch import LaunchError, is_launcher
+from .accelerate_launch import environment as launcher_environment
+from .accelerate_launch import split as split_launcher
+from .accelerate_state import reset as reset_accelerate_state
+from .script_checkpoints import EntryWatch, FitCheckpoint, copy_for_resume, fit_of, remember
+from .script_checkpoints import latest as latest_checkpoint
 
 SCRIPT_PREFIX = "script:"
-FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at")
-RESUME_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint")
+FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at", "accumulate_grad_batches")
+RESUME_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint", "checkpoint_at", "checkpoint_latest",
+                 "accumulate_grad_batches")
+# a resume line that names its checkpoint by these finds the one at k whatever the fit saved after it
+STEP_NAMED = ("checkpoint_at", "checkpoint_latest")
 DEFAULTED = "checkpoint_at"  # the one placeholder that can be absent, so the one with a `:-N` form
 # files a run in the SPEC's folder may have left for the script to resume from: not linked into a fit's cwd
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
@@ -99,6 +120,7 @@ class Command:
     line: str  # "fit" or "resume"
     script: str
     args: tuple[str, ...]
+    launcher: tuple[str, ...] | None = None  # `accelerate launch`'s own arguments, where it launches the script
 
     def carrier(self, name: str) -> str | None:
         """The first argument that carries the placeholder `name`, with the flag before it when it is
@@ -148,6 +170,12 @@ def _split_lines(body: str) -> list[str]:
 
 
 def _command(line: str, argv: list[str], base: Path, known: tuple[str, ...]) -> Command:
+    launcher = None
+    if is_launcher(argv):
+        try:
+            launcher, argv = split_launcher(argv)
+        except LaunchError as exc:
+            raise ScriptSpecError(f"the {line} line: {exc}") from None
     if not argv:
         raise ScriptSpecError(f"the {line} line names no script: expected script:path/to/train.py ARGS "
                               "[| path/to/train.py ARGS]")
@@ -163,7 +191,7 @@ def _command(line: str, argv: list[str], base: Path, known: tuple[str, ...]) -> 
                 shown = "{" + name + (f":-{default}" if default is not None else "") + "}"
                 raise ScriptSpecError(f"argument {arg!r}: {shown} is not a placeholder of the {line} line "
                                       f"({_known(line, known)})")
-    return Command(line, str(script), tuple(argv[1:]))
+    return Command(line, str(script), tuple(argv[1:]), launcher)
 
 
 def _known(line: str, known: tuple[str, ...]) -> str:
@@ -220,6 +248,12 @@ class ScriptAdapter(TrainerAdapter):
         self.conformance_notes: list[str] = []  # the checks add them to their figures (CheckContext.finish)
         if self.fit_command.carrier("epochs"):
             self.checkpoint_every = "epoch"
+        # a resume line that names the checkpoint by its step ({checkpoint_at}) or as the latest at k finds the
+        # one written at k whatever the fit saves after it: the fit to n, as the user runs it, writes it on the
+        # way (a schedule set by the total steps is then the user's)
+        self._watch: EntryWatch | None = None
+        self.checkpoints_once = self.resume_command is not None and any(
+            self.resume_command.carrier(name) for name in STEP_NAMED)
 
     def fit(self, steps: int, *, checkpoint_dir: Path | None = None, checkpoint_at: int | None = None,
             observer: Any = None) -> None:
@@ -233,11 +267,21 @@ class ScriptAdapter(TrainerAdapter):
         # as the check sets it: resume_fidelity resumes with the checkpoint's RNG to tell what is lost.
         fresh_seeds()
         values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(directory),
-                  "checkpoint_at": str(checkpoint_at) if checkpoint_at else None}
+                  "checkpoint_at": str(checkpoint_at) if checkpoint_at else None, **self._accumulation()}
+        self._watch = EntryWatch(directory, checkpoint_at) if checkpoint_at else None
         taken, overran = self._run(self.fit_command, directory, values, steps, past_save=bool(checkpoint_at))
         self._check_steps(self.fit_command, f"fit({steps})", steps, taken, overran)
-        if checkpoint_at:
-            _remember_step(self.ctx.workdir, directory, checkpoint_at)
+        if checkpoint_at and self._watch is not None:
+            self._remember(directory, checkpoint_at, self._watch, steps)
+
+    @property
+    def carries_accumulation(self) -> bool:
+        """Whether the fit line passes `{accumulate_grad_batches}`: the config's k reaches the script, and a
+        check can run it at k = 1 (accumulation_equivalence's reference)."""
+        return self.fit_command.carrier("accumulate_grad_batches") is not None
+
+    def _accumulation(self) -> dict[str, str]:
+        return {"accumulate_grad_batches": str(self.config.trainer.accumulate_grad_batches)}
 
     def make_dataset(self, size: int | None = None) -> Any:
         raise NotProvided(self, "make_dataset", "a script: SPEC runs the whole script; its dataset cannot be built "
@@ -254,10 +298,19 @@ class ScriptAdapter(TrainerAdapter):
             raise self._no_resume()
         checkpoint = Path(checkpoint)
         copy = self._own_dir()
-        shutil.copytree(checkpoint.parent, copy, dirs_exist_ok=True)
+        written = fit_of(checkpoint)
+        if written is None:  # a checkpoint no fit of this adapter recorded: its directory, as it is
+            shutil.copytree(checkpoint.parent, copy, dirs_exist_ok=True)
+            inside = Path(checkpoint.name)
+        else:  # rank 0's directory as it was at k, with every other rank's own files (their RNG states)
+            copy_for_resume(written, copy)
+            inside = checkpoint.relative_to(written.directory) if checkpoint.is_relative_to(written.directory) \
+                else Path(checkpoint.name)
+        start = written.step if written is not None else None
+        latest = latest_checkpoint(copy)
         values = {"steps": str(steps), "epochs": str(steps), "checkpoint_dir": str(copy),
-                  "checkpoint": str(copy / checkpoint.name)}
-        start = _remembered_step(self.ctx.workdir, checkpoint.parent)
+                  "checkpoint": str(copy / inside), "checkpoint_at": str(start) if start is not None else None,
+                  "checkpoint_latest": str(latest) if latest is not None else str(copy), **self._accumulation()}
         left = steps - start if start is not None else None
         taken, overran = self._run(self.resume_command, copy, values, left, past_save=False)
         if left is not None:
@@ -270,8 +323,10 @@ class ScriptAdapter(TrainerAdapter):
         before = _listing(self.base)
         epochs = command.carrier("epochs") is not None
         counter = _StepCounter(limit, stop_at_limit=epochs and not past_save)
+        counter.watch = self._watch if command is self.fit_command else None
+        env = launcher_environment(command.launcher) if command.launcher is not None else None
         with self._linked_inputs(cwd), counter:
-            run_script(command.argv(values), cwd)
+            run_script(command.argv(values), cwd, env)
         self._name_writes(before, command)
         return counter.taken, counter.overran and not (epochs and past_save)
 
@@ -336,6 +391,19 @@ class ScriptAdapter(TrainerAdapter):
         shown = f"more than {asked}" if overran else str(taken)
         raise TrainerBuildError(f"trainer SPEC {self.spec!r}: {call} took {shown} optimizer steps, not {asked}: {why}")
 
+    def _remember(self, directory: Path, step: int, watch: EntryWatch, steps: int) -> None:
+        """Record where this rank's fit checkpointed at `step` (a resume is handed rank 0's checkpoint and
+        must know where it starts, and find every rank's files); a fit that went on and rewrote what it had
+        written by step k (one name saved at every interval) left no checkpoint at k to resume."""
+        entries = watch.finish()
+        rewritten = watch.rewritten() if steps > step else []
+        remember(FitCheckpoint(directory, step, self.ctx.rank, entries))
+        if rewritten:
+            raise NotProvided(self, f"a checkpoint at step {step} in a fit to {steps}", (
+                f"the script rewrote {', '.join(rewritten[:3])} after step {step}, so the checkpoint at {step} is gone "
+                "by the end of the fit (its resume line names the checkpoint by {checkpoint_at} or "
+                "{checkpoint_latest}, which says a later save goes elsewhere)"))
+
     def _no_resume(self) -> NotProvided:
         return NotProvided(self, "resume", "its script: SPEC has no resume command line (add ' | train.py ...')")
 
@@ -366,43 +434,29 @@ def _listing(folder: Path, limit: int = 20000) -> dict[str, tuple[int, int]] | N
     return found
 
 
-def _step_file(workdir: Path, directory: Path) -> Path:
-    key = hashlib.sha1(str(Path(directory).resolve()).encode()).hexdigest()[:16]
-    return Path(workdir) / "script-fits" / "checkpoint-steps" / key
-
-
-def _remember_step(workdir: Path, directory: Path, step: int) -> None:
-    """The step a fit checkpointed at, by directory: a resume is handed rank 0's checkpoint (in the
-    workdir all ranks share) and must know where it starts to count the steps it takes."""
-    path = _step_file(workdir, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(str(step))
-
-
-def _remembered_step(workdir: Path, directory: Path) -> int | None:
-    try:
-        return int(_step_file(workdir, directory).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 class _StepCounter:
-    """Counts the optimizer steps of the first optimizer that steps (a script's main one), and ends
-    the script (`_Enough`) when it begins a step past `limit`, or, with `stop_at_limit`, right after
-    step `limit`."""
+    """Counts the optimizer steps of the first optimizer that steps (a script's main one), as the script
+    counts them: a step its GradScaler skips (`scaler.step` on gradients that hold inf or NaN, which never
+    calls `optimizer.step`) counts too, as it does in the script's loop and in the recorder. Ends the script
+    (`_Enough`) when it begins a step past `limit`, or, with `stop_at_limit`, right after step `limit`."""
 
     def __init__(self, limit: int | None, stop_at_limit: bool) -> None:
         self.limit, self.stop_at_limit = limit, stop_at_limit
         self.taken, self.overran = 0, False
         self._main: Any = None
+        self.watch: EntryWatch | None = None  # lists the fit's directory as step k + 1 begins
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _StepCounter:
         # deferred: torch is heavy to import
+        from torch.amp import GradScaler
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._stack.callback(register_optimizer_step_pre_hook(self._before).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._after).remove)
+        scaler_step = GradScaler.step  # the recorder's wrapper, where a fit is recorded: put back on exit
+        GradScaler.step = self._scaler_step(scaler_step)  # type: ignore[method-assign]
+        self._stack.callback(setattr, GradScaler, "step", scaler_step)
         return self
 
     def __exit__(self, kind: Any, exc: Any, _tb: Any) -> bool:
@@ -412,6 +466,8 @@ class _StepCounter:
     def _before(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self._main is None:
             self._main = optimizer
+        if optimizer is self._main and self.watch is not None:
+            self.watch.at_step(self.taken)
         if optimizer is self._main and self.limit is not None and self.taken >= self.limit:
             self.overran = True
             raise _Enough
@@ -423,26 +479,44 @@ class _StepCounter:
         if self.stop_at_limit and self.taken == self.limit:
             raise _Enough
 
+    def _scaler_step(self, original: Any) -> Any:
+        counter = self
 
-def run_script(argv: list[str], cwd: Path) -> None:
-    """Run the script once, in this process, as torchrun started in `cwd` would start it."""
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = counter.taken
+            if counter._main is None or optimizer is counter._main:
+                counter._before(optimizer, args, kwargs)  # a skipped step begins too: past `limit`, it ends there
+            result = original(scaler, optimizer, *args, **kwargs)
+            if optimizer is counter._main and counter.taken == before:  # skipped: no optimizer.step ran
+                counter._after(optimizer, args, kwargs)
+            return result
+
+        return step
+
+
+def run_script(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+    """Run the script once, in this process, as torchrun (or, with `env`, `accelerate launch`) started in
+    `cwd` would start it: a fresh process holds no accelerate state, so none is kept from an earlier run."""
     script, args = argv[0], argv[1:]
-    with _as_torchrun(script, args, cwd):
+    reset_accelerate_state()
+    with _as_torchrun(script, args, cwd, env or {}):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise RuntimeError(f"{Path(script).name} exited with code {exc.code!r}") from None
+        finally:
+            reset_accelerate_state()
 
 
 @contextlib.contextmanager
-def _as_torchrun(script: str, args: list[str], cwd: Path) -> Iterator[None]:
+def _as_torchrun(script: str, args: list[str], cwd: Path, launched: dict[str, str]) -> Iterator[None]:
     import torch.distributed as dist  # deferred: torch is heavy to import
 
     directory = str(Path(script).parent)  # sys.path[0], as `python script.py` has it
     env = {"LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")),
            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-           "MASTER_PORT": os.environ.get("MASTER_PORT", "29500")}
+           "MASTER_PORT": os.environ.get("MASTER_PORT", "29500"), **launched}
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(sys, "argv", [script, *args]))
         stack.enter_context(mock.patch.object(sys, "path", [directory, *sys.path]))

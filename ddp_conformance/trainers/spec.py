@@ -282,6 +282,8 @@ def _label(kind: str | None, spec: str) -> str:
         return "+".join(part.rpartition(":")[2].strip() for part in spec[len(LIGHTNING_PREFIX):].split("+"))
     if kind == SCRIPT:  # script:path/train.py --flags ... -> train.py
         words = spec[len(SCRIPT_PREFIX):].split()
+        if words[:2] == ["accelerate", "launch"]:  # the launcher's flags, then the script: its first `.py`
+            words = [word for word in words[2:] if word.endswith(".py")] or words
         return PurePath(words[0]).name if words else spec
     if kind != ATTRIBUTE:
         return spec

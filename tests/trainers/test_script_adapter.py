@@ -191,6 +191,29 @@ def test_steps_taken_other_than_asked_stop_the_checks_naming_the_argument(tmp_pa
     assert message in text, text
 
 
+
+@pytest.mark.parametrize("overflow_at", [1, 2, 3])
+def test_a_step_its_grad_scaler_skips_counts_as_the_script_counts_it(tmp_path, overflow_at):
+    """minGPT with AMP: a NaN loss made every rank's GradScaler skip that step (no optimizer.step() runs), which
+    its loop counts as a step; counting only optimizer.step() refused the run as "fit(3) took 2 optimizer
+    steps, not 3". The first step skipped too (the main optimizer is first seen in scaler.step), or the last."""
+    from ddp_conformance.checks.support.observe import FitRecorder
+
+    repo = repo_with(tmp_path, "grad_scaler_skips.py")
+    adapter = adapter_for(f"script:grad_scaler_skips.py --max_iters {{steps}} --overflow-at {overflow_at}", repo,
+                          tmp_path / "work")
+    with FitRecorder() as recorder:  # as a check records it: its GradScaler wrapper under the counter's
+        adapter.fit(3)
+    assert recorder.record.optimizer_steps == 3 and adapter.conformance_notes == []
+
+
+def test_a_skipped_step_past_the_steps_asked_ends_the_script_there(tmp_path):
+    repo = repo_with(tmp_path, "grad_scaler_skips.py")
+    adapter = adapter_for("script:grad_scaler_skips.py --max_iters 4 --overflow-at 4", repo, tmp_path / "work")
+    with pytest.raises(TrainerBuildError, match=r"fit\(3\) took more than 3 optimizer steps, not 3: no argument"):
+        adapter.fit(3)
+
+
 # -- epoch-based scripts -----------------------------------------------------------------------------
 
 EPOCHS = ("script:epochs.py --epochs {epochs} --save-dir {checkpoint_dir}"
@@ -226,9 +249,9 @@ def test_an_epoch_script_that_ignores_its_epochs_is_one_line(tmp_path):
     ("train.py --steps {steps} | train.py --out {checkpoint.parent}",
      "argument '{checkpoint.parent}': {checkpoint.parent} is not a placeholder (expected {name} or "
      "{checkpoint_at:-N}; the directory holding the checkpoint is {checkpoint_dir})"),
-    ("train.py --steps {steps} | train.py --at {checkpoint_at}",
-     "{checkpoint_at} is not a placeholder of the resume line (known there: {steps}, {epochs}, {checkpoint_dir}, "
-     "{checkpoint}"),
+    ("train.py --steps {steps} | train.py --at {checkpoint_step}",
+     "{checkpoint_step} is not a placeholder of the resume line (known there: {steps}, {epochs}, {checkpoint_dir}, "
+     "{checkpoint}, {checkpoint_at}, {checkpoint_latest}"),
     ("train.py --resume {checkpoint}", "{checkpoint} is not a placeholder of the fit line"),
     ("train.py --steps {stepz}", "{stepz} is not a placeholder of the fit line"),
     ("train.py --steps {steps:-4}", "only {checkpoint_at} takes a ':-N' default, {steps} is always given"),
@@ -269,3 +292,39 @@ def test_checkpoint_at_is_zero_or_its_default_without_a_checkpoint(tmp_path):
     assert fit.argv({"checkpoint_at": None})[1:] == ["--every", "0", "--eval=100000"]
     assert fit.argv({"checkpoint_at": "6"})[1:] == ["--every", "6", "--eval=6"]
 
+
+
+# -- the config's accumulation, where the command line takes it ---------------------------------------
+
+ACCUMULATES = textwrap.dedent("""\
+    import argparse, pathlib, torch
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--grad-accum", type=int, default=8)
+    args = parser.parse_args()
+    pathlib.Path("accumulation.txt").write_text(str(args.grad_accum))
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for _ in range(args.steps):
+        for _ in range(args.grad_accum):
+            (weight.sum() / args.grad_accum).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+""")
+
+
+def test_accumulate_grad_batches_gives_the_script_the_configs_k(tmp_path):
+    """The config's accumulate_grad_batches reaches a script only through the placeholder: then a check can also
+    run it at 1 (accumulation_equivalence's reference); without it the config is a claim, compared with the run."""
+    from dataclasses import replace
+
+    (tmp_path / "train.py").write_text(ACCUMULATES)
+    carried = ScriptAdapter("script:train.py --steps {steps} --grad-accum {accumulate_grad_batches}", tmp_path)
+    config = RunConfig()
+    carried.setup(replace(config, trainer=replace(config.trainer, accumulate_grad_batches=4)),
+                  RankContext(rank=0, local_rank=0, world_size=1, backend="gloo", device="cpu",
+                              workdir=tmp_path / "work"))
+    assert carried.carries_accumulation
+    carried.fit(2, checkpoint_dir=tmp_path / "fit")
+    assert (tmp_path / "fit" / "accumulation.txt").read_text() == "4"
+    assert not adapter_for("script:train.py --steps {steps}", tmp_path, tmp_path / "work2").carries_accumulation

@@ -13,7 +13,8 @@ own DDP and its gradients at the optimizer step, from its real run.
 - Memory: the same fit run again with the flag of the fit's `DistributedDataParallel(...)` call
   forced (its constructor is wrapped for the run; every other argument is the script's), in pairs
   (off, on) after one discarded warm-up run. Each run reads what is in use (glibc's heap on CPU,
-  `torch.cuda.memory_allocated` on CUDA) at the pre-hook of its last optimizer step, relative to
+  `torch.cuda.memory_allocated` on CUDA) at the pre-hook of its last optimizer step (where a GradScaler
+  steps, as its `scaler.step` begins, so that a step it skips counts as the script counts it), relative to
   just before the run: with the flag on the gradients there are the buckets; off, a second copy.
   The median pair's saving is judged, on the worst rank. A model with less than MIN_GRAD_BYTES of
   gradients is not measured (its saving is within allocator noise): the verdict then rests on the
@@ -26,9 +27,11 @@ import gc
 import statistics
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from torch.amp import GradScaler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ...adapter import NotProvided
@@ -169,20 +172,34 @@ def _held_at_last_step(ctx: CheckContext, read: Callable[[], int], flag: bool, r
     """What is in use at the pre-hook of the fit's last optimizer step, relative to just before the
     fit, with the flag of every DistributedDataParallel the fit builds forced to `flag`."""
 
-    seen: dict[str, Any] = {"steps": 0}
+    seen: dict[str, Any] = {"steps": 0, "in_scaler_step": False}
 
     def before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         seen.setdefault("optimizer", optimizer)
-        if optimizer is seen["optimizer"]:
+        if optimizer is seen["optimizer"] and not seen["in_scaler_step"]:
             seen["steps"] += 1
             if seen["steps"] == STEPS:
                 seen["held"] = settle(read)
+
+    def scaler_step(original: Any) -> Any:
+        """A GradScaler's step is the trainer's step whether or not it calls `optimizer.step()` (it skips it on
+        gradients that hold inf or NaN, as fp16's first steps often do): counted, and read, where it begins."""
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before_step(optimizer, args, kwargs)
+            seen["in_scaler_step"] = True
+            try:
+                return original(scaler, optimizer, *args, **kwargs)
+            finally:
+                seen["in_scaler_step"] = False
+
+        return step
 
     label = f"memory-{run}"
     base = settle(read)
     handle = register_optimizer_step_pre_hook(before_step)
     try:
-        with ddp_argument_forced("gradient_as_bucket_view", flag):
+        with ddp_argument_forced("gradient_as_bucket_view", flag), \
+                mock.patch.object(GradScaler, "step", scaler_step(GradScaler.step)):
             guarded_fit(ctx, label, STEPS, _fit(ctx))
     finally:
         handle.remove()

@@ -24,6 +24,7 @@ accumulation window (a loss divided by the accumulation twice or never, micro-ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 
 from ...adapter import NotProvided
 from ..support import shared_fit
+from ..support.amp_watch import scaled_clipping
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
@@ -51,7 +53,10 @@ def judge_fit_step(ctx: CheckContext, single: Any, rtol: float, figures: dict[st
         return
     figures.update(compared.figures)
     verdicts = [v for v in all_gather(compared.verdict) if v]
-    if verdicts and is_accumulation_cause(verdicts[0]):
+    scaled = scaled_clipping(all_gather(ctx.recordings["steady"].amp)) if verdicts else ""
+    if scaled:
+        ctx.note(f"the fit's first optimizer step differs from the single-process gradient because {scaled}")
+    elif verdicts and is_accumulation_cause(verdicts[0]):
         ctx.note(f"the fit's first optimizer step is accumulation_equivalence's to judge: {verdicts[0]}")
     elif verdicts:
         raise ctx.fail(verdicts[0], **figures)
@@ -69,16 +74,18 @@ class FirstStepCompared:
     figures: dict[str, Any]
 
 
-def first_step_compared(ctx: CheckContext, single: Any, rtol: float) -> FirstStepCompared | str:
+def first_step_compared(ctx: CheckContext, single: Any, rtol: float,
+                        reference: Callable[[CheckContext, Any], Any] | None = None) -> FirstStepCompared | str:
     """The comparison of the dropout-free fit's first optimizer step (`shared_fit.steady`), or why it
-    cannot be made (collective: every rank returns the same kind)."""
+    cannot be made (collective: every rank returns the same kind). `reference(ctx, config)`: how `single` is
+    built again for the dropout-free config (accumulation_equivalence's holds it at k = 1)."""
     __tracebackhide__ = hide_on_verdict
     if not ctx.shared:
         return "the fit's first step is not judged: the ranks share no directory to watch a fit through"
     config = shared_fit.steady_config(ctx)
     adapter = ctx.adapter(config)
     if config is not ctx.config:  # the reference without dropout too (else the dropout-free adapter)
-        single = single_process_adapter(ctx, config) or adapter
+        single = reference(ctx, config) if reference is not None else single_process_adapter(ctx, config) or adapter
     try:
         record = shared_fit.steady(ctx).record
     except NotProvided as exc:  # the first look stands on its own

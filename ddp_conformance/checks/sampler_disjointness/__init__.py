@@ -58,6 +58,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     observed = shared_fit.observed_fit(ctx, epoch)  # at least one step into the next epoch: the judged ones are whole
     steps = observed.horizon
     passes = observed.record.training_passes()
+    loader_schemes.read_through_wrappers(ctx, passes)
     started = min(all_gather(len(passes)))
     if started < 3:
         pytest.skip(f"fit({steps}) did not finish 2 epochs of its training loader (it started {len(passes)} passes "

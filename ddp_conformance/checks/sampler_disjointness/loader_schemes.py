@@ -19,9 +19,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict
 from ..support.observe import LoaderPass
 from ..support.sampling import replayed_epoch
+
+
+def read_through_wrappers(ctx: CheckContext, passes: list[LoaderPass]) -> None:
+    """Say which wrappers the indices were read through (accelerate's BatchSamplerShard, SkipBatchSampler:
+    `support/loader_wrappers.py`); skip where the batches are dispatched (accelerate's `dispatch_batches`:
+    rank 0 reads every rank's batches and sends each its slice, so no rank's own loader draws what it trains)."""
+    __tracebackhide__ = hide_on_verdict
+    if any(all_gather(any(p.dispatched for p in passes))):
+        pytest.skip("the training loader dispatches its batches (accelerate's DataLoaderDispatcher, dispatch_batches="
+                    "True): rank 0 reads every rank's batches and sends each its slice, so the indices a rank trains "
+                    "are not drawn by its own loader and cannot be read by rank")
+    mine = next((p.wrappers for p in passes if p.wrappers), None)
+    if mine:
+        ctx.note(f"the indices are read from what the loader's batch sampler yields to this rank: {mine}")
 
 
 def judge_with_replacement(ctx: CheckContext, passes: list[LoaderPass]) -> dict[str, Any]:

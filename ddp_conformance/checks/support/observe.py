@@ -31,6 +31,8 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   because the scaled gradients overflowed: the optimizer's step hooks never run then, yet the trainer's
   loop counts the step, so it is counted as a step with unchanged parameters, and before the first
   applied step it is recorded (`FirstStep.overflowed`), not mistaken for a longer window.
+- the precision each micro-batch ran at (autocast and its dtype), the GradScaler's scale, `unscale_` and
+  skipped steps, and gradient clipping on gradients still scaled (`amp_watch.AmpWatch`, `FitRecord.amp`).
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -64,9 +66,13 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ...adapter import StepInfo, TrainState
 from ...resumable import capture_rng_state
+from . import loader_wrappers
+from .amp_watch import AmpRecord, AmpWatch
 from .memory import shares_its_base
 from .norm_stats import BATCH_NORMS, NormLayer, NormWatch
+from .replica_watch import ReplicaTrail, ReplicaWatch
 from .start_state import StartState, WrapTime, after_states, bind_ddp_arguments, tensor_states
+from .tensor_bytes import readable_bytes
 
 DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
@@ -113,6 +119,12 @@ class LoaderPass:
     base_size: int | None = None
     universe: list[int] | None = None
     index_map: list[int] | None = field(default=None, repr=False)
+    # the batch samplers wrapping the loader's own, outermost first (accelerate's "BatchSamplerShard (process 1 of
+    # 2) over BatchSampler"), whose batches are the ones recorded; None where none wraps it (`loader_wrappers`)
+    wrappers: str | None = None
+    # the loader is read by a wrapper that takes every rank's batches on one process and sends each its slice
+    # (accelerate's dispatch_batches): what a rank's own DataLoader draws is not what it trains
+    dispatched: bool = False
 
     def base_batches(self) -> list[list[int]]:
         """The batches as indices of the dataset under any Subsets."""
@@ -232,6 +244,10 @@ class FitRecord:
     # with `draws`: per micro-batch, (the pass newest at its forward, the batch of it the micro-batch trained, -1 if
     # unknown, optimizer steps taken before it)
     micro_draws: list[tuple[int, int, int]] = field(default_factory=list)
+    # each module's training flag and the no-gradient parameters' changes, per micro-batch (`replica_watch`)
+    replicas: ReplicaTrail = field(default_factory=ReplicaTrail)
+    # autocast per micro-batch, GradScaler use, clipping on still-scaled gradients (`amp_watch`)
+    amp: AmpRecord = field(default_factory=AmpRecord)
 
     @property
     def optimizer(self) -> Any:
@@ -323,6 +339,8 @@ class FitRecorder:
         self._yield_tensors: dict[int, list[list[weakref.ref[Any]]]] = {}
         self._forward_hooks: list[Any] = []  # the global forward hooks' handles
         self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
+        self._yielded_before: Any = None  # the batch yielded before `_yielded`'s, for a loader read one ahead
+        self._ahead: dict[int, Any] = {}  # pass index -> the wrapper that reads its loader ahead (`loader_wrappers`)
         self.listener = listener
         self.rank = rank
         self._stack = contextlib.ExitStack()
@@ -332,6 +350,7 @@ class FitRecorder:
         self._claimed: set[int] = set()  # passes whose batches a batch sampler records
         self._rng_mark: str | None = None  # the RNG state after the last draw accounted for (`rng_consumed`)
         self._loader_drew = False  # a DataLoader drew from the RNG since the last RngMark
+        self._replicas = ReplicaWatch(self.record.replicas)
 
     def __enter__(self) -> FitRecorder:
         if not FitRecorder._lock.acquire(blocking=False):
@@ -352,7 +371,10 @@ class FitRecorder:
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
         self._patch(DistributedDataParallel, "__init__", self._ddp_init)
         self._patch(Join, "__init__", self._join_init)
+        self._amp = self._stack.enter_context(AmpWatch())
+        self.record.amp = self._amp.record
         self._patch(GradScaler, "step", self._scaler_step)
+        self._patch(torch.nn.Module, "train", self._replicas.wrap_train)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -379,8 +401,12 @@ class FitRecorder:
     def _on_forward(self, module: Any, _args: Any) -> None:
         depth = getattr(self._depth, "value", 0)
         self._depth.value = depth + 1
+        if recomputing():
+            return
         if depth == 0 and module.training and self._torch.is_grad_enabled() and _trainable(module):
             self._micro_batch(module, _args)
+        elif depth == 0 and self._replicas.holds(module, _args, self.record.model):
+            pass  # an eval-mode forward: a micro-batch once its backward reaches the output (`replica_watch`)
         elif self._norms is not None and self.record.micro_batches == 1:
             self._norms.before(module)
         if depth == 1 and self._watch_start and self.record.start_state is None and self.record.micro_batches == 1 \
@@ -389,7 +415,9 @@ class FitRecorder:
 
     def _on_forward_end(self, module: Any, args: Any, output: Any) -> None:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
-        if self._norms is not None and self.record.micro_batches == 1:
+        if self._depth.value == 0:
+            self._replicas.ended(module, output, self._micro_batch)
+        if self._norms is not None and self.record.micro_batches == 1 and not recomputing():
             self._norms.after(module, args, output)
 
     def _micro_batch(self, model: Any, inputs: Any) -> None:
@@ -406,7 +434,8 @@ class FitRecorder:
             if self._watch_norms:
                 self._norms = NormWatch(unwrapped(model))
                 record.norm_names, record.norm_layers = list(self._norms.names.values()), self._norms.layers
-            if self._watch_start and not isinstance(model, DistributedDataParallel):
+            # a DDP's is taken inside its forward, unless this micro-batch is counted at its backward (eval mode)
+            if self._watch_start and (not isinstance(model, DistributedDataParallel) or self._replicas.counting):
                 self._take_start(model)
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
@@ -418,7 +447,9 @@ class FitRecorder:
             record.synced.append(bool(model.require_backward_grad_sync))
         if self._draws is not None:
             record.micro_draws.append((len(record.passes) - 1, self._trained_batch(inputs), record.optimizer_steps))
+        self._amp.micro_batch(model)
         self._mark_rng(first)
+        self._replicas.micro_batch(model, unwrapped(model), record.optimizer_steps, record.micro_batches, trainer_name)
         record.micro_batches += 1
         if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
             self._keep_batch(record.first_step, len(record.passes) - 1)
@@ -448,9 +479,13 @@ class FitRecorder:
 
     def _keep_batch(self, first: FirstStep, newest: int) -> None:
         """The batch the newest pass last yielded, for this micro-batch of the first step."""
-        if self._yielded is not None and self._yielded[0] == newest:
-            first.sources.append((newest, self._yielded[1]))
-            first.batches.append(self._yielded[2])
+        dispatched = newest >= 0 and self.record.passes[newest].dispatched
+        if self._yielded is not None and self._yielded[0] == newest and not dispatched:
+            # a wrapper that reads the DataLoader one batch ahead (accelerate's DataLoaderShard) hands the loop
+            # the batch before the last one it drew
+            count = loader_wrappers.trained_yield(self._ahead.get(newest), self._yielded[1])
+            first.sources.append((newest, count))
+            first.batches.append(self._yielded[2] if count == self._yielded[1] else self._yielded_before)
         else:
             first.sources.append((newest if newest >= 0 else None, 0))
             first.batches.append(None)
@@ -459,7 +494,8 @@ class FitRecorder:
         """Which batch of the newest pass a micro-batch trains: the latest one, still alive, whose tensors its
         forward's inputs are or are views of (a loop that reads one ahead, as Lightning's, has yielded the next batch
         already; one that skips what a resume consumed, `if i < skip: continue`, has yielded batches it never
-        trains); else the latest one yielded, as a loop that copies the batch to another device trains. -1 where the
+        trains); else the latest one yielded, as a loop that copies the batch to another device trains (through a
+        wrapper that reads its DataLoader one ahead, accelerate's DataLoaderShard, the one before it). -1 where the
         pass yielded none."""
         yielded = self._yield_tensors.get(len(self.record.passes) - 1, [])
         storages = _storages(_tensors(inputs))
@@ -467,7 +503,8 @@ class FitRecorder:
             alive = [tensor for tensor in (ref() for ref in yielded[nth]) if tensor is not None]
             if _storages(alive) & storages:
                 return nth
-        return len(yielded) - 1
+        ahead = self._ahead.get(len(self.record.passes) - 1)
+        return loader_wrappers.trained_yield(ahead, len(yielded)) - 1 if yielded else -1
 
     def _drawn(self, loader: Any) -> Callable[[int, int, Any], None]:
         """With `draws`: what records each batch the loop gets from `loader` into the pass it came from (-1: the
@@ -498,6 +535,7 @@ class FitRecorder:
     def _on_yield(self, index: int, count: int, batch: Any) -> None:
         first = self.record.first_step
         if first is None or first.grads is None:  # only the first step's batches are kept
+            self._yielded_before = self._yielded[2] if self._yielded is not None and self._yielded[0] == index else None
             self._yielded = (index, count, cpu_copy(batch))
 
     def _rng_digest(self) -> str:
@@ -685,7 +723,11 @@ class FitRecorder:
 
         def __iter__(loader: Any) -> Any:
             recorder.record.passes.append(_new_pass(loader))
-            recorder._watch_batch_sampler(getattr(loader, "batch_sampler", None))
+            recorder._watch_batch_sampler(loader_wrappers.outermost(loader))
+            ahead = loader_wrappers.reading_ahead(loader)
+            if ahead is not None:
+                recorder._ahead[len(recorder.record.passes) - 1] = ahead
+                recorder.record.passes[-1].dispatched = loader_wrappers.dispatches(ahead)
             if recorder.listener is not None and hasattr(recorder.listener, "heartbeat"):
                 recorder.listener.heartbeat()  # alive before the first batch (a slow first pass)
             with recorder._loaders_own_draws():  # the pass's `_base_seed`
@@ -713,10 +755,13 @@ class FitRecorder:
 
     def _watch_batch_sampler(self, batch_sampler: Any) -> None:
         """Record a hand-written batch sampler's batches as a BatchSampler's: its class's `__iter__`
-        is wrapped until the fit ends (a built-in iterable, a list of lists, cannot be)."""
+        is wrapped until the fit ends (a built-in iterable, a list of lists, cannot be). So is a BatchSampler
+        subclass that wraps another (accelerate's BatchSamplerShard, SkipBatchSampler): the outermost records
+        the pass, so its batches, this rank's share, are the ones recorded (`loader_wrappers`)."""
 
         owner = type(batch_sampler)
-        if batch_sampler is None or isinstance(batch_sampler, BatchSampler) or owner in self._watched:
+        plain = isinstance(batch_sampler, BatchSampler) and not loader_wrappers.is_wrapper(batch_sampler)
+        if batch_sampler is None or plain or owner in self._watched:
             return
         self._watched.add(owner)
         with contextlib.suppress(AttributeError, TypeError):
@@ -865,6 +910,12 @@ def unwrapped(model: Any) -> Any:
     return getattr(model, "module", model)
 
 
+def recomputing() -> bool:
+    """Whether a forward runs inside a backward: activation checkpointing (reentrant or not) recomputes its
+    blocks' forwards there, which is no micro-batch of the fit (private: tests/test_versions.py asserts it)."""
+    return torch._C._current_graph_task_id() >= 0
+
+
 def _trainable(module: Any) -> bool:
     return any(p.requires_grad for p in module.parameters())
 
@@ -952,7 +1003,7 @@ def _digest_into(digest: Any, item: Any) -> int:
     how many tensors and arrays it saw."""
 
     if isinstance(item, torch.Tensor):
-        digest.update(memoryview(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()))  # no copy
+        digest.update(readable_bytes(item))  # no copy for a plain tensor; never raises into the fit
         return 1
     if hasattr(item, "__array_interface__") and hasattr(item, "tobytes"):  # a numpy array
         digest.update(item.tobytes())
@@ -973,8 +1024,8 @@ def _new_pass(loader: Any) -> LoaderPass:
     # BatchSampler(DistributedSampler(...))) leaves `loader.sampler` a default SequentialSampler), or
     # a batch sampler of its own making, which orders them itself
 
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None)
+    batch_sampler = loader_wrappers.outermost(loader)
+    sampler = loader_wrappers.ordering_sampler(batch_sampler)  # under accelerate's BatchSamplerShard too
     if batch_sampler is not None and not isinstance(batch_sampler, BatchSampler) and sampler is None:
         sampler = batch_sampler
     if sampler is None:
@@ -990,6 +1041,7 @@ def _new_pass(loader: Any) -> LoaderPass:
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
                       iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler),
+                      wrappers=loader_wrappers.described(batch_sampler),
                       universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map,
                       base_size=_length(base) if index_map is not None else None, dataset=dataset)
 
@@ -1017,14 +1069,12 @@ def through_subsets(dataset: Any) -> tuple[Any, list[int] | None]:
 
 def dropped_tail(batch_sampler: Any) -> int:
     """What `DataLoader(drop_last=True)` leaves out of each epoch of its sampler: the last, incomplete
-    batch. A sampler that cannot tell its length drops nothing this can know."""
+    batch, read through the batch samplers that wrap it (`loader_wrappers.dropped_tail`). A sampler that
+    cannot tell its length drops nothing this can know."""
 
-    if not isinstance(batch_sampler, BatchSampler) or not batch_sampler.drop_last:
+    if not isinstance(batch_sampler, BatchSampler):
         return 0
-    try:
-        return len(batch_sampler.sampler) % batch_sampler.batch_size  # type: ignore[arg-type]
-    except TypeError:
-        return 0
+    return loader_wrappers.dropped_tail(batch_sampler, BatchSampler)
 
 
 def _shuffles(sampler: Any) -> bool | None:

@@ -32,6 +32,9 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ...trainers import accelerate_state
 
 # packages whose own bindings of torch.distributed names stay real: torch's DDP and collectives, Lightning
 # (it calls them as attributes, `torch.distributed.all_reduce`, which are patched) and the harness itself
@@ -44,7 +47,12 @@ _REAL_CALLERS = ("torch.nn.parallel", "torch.distributed.algorithms", "ddp_confo
 
 
 class _Done:
-    """The work handle of a collective with one participant, for `async_op=True`: already complete."""
+    """The work handle of a collective with one participant, for `async_op=True`: already complete. Its future
+    holds what a real one holds, the collective's tensors (`all_reduce(t, async_op=True).get_future().value()`
+    is `[t]`), which a comm hook's `fut.value()[0]` reads."""
+
+    def __init__(self, result: list[Any] | None = None) -> None:
+        self.result = result
 
     def wait(self, timeout: Any = None) -> bool:
         return True
@@ -57,12 +65,16 @@ class _Done:
 
     def get_future(self) -> Any:
         future: Any = torch.futures.Future()
-        future.set_result(None)
+        future.set_result(self.result)
         return future
 
 
-def _handle(kwargs: dict[str, Any]) -> _Done | None:
-    return _Done() if kwargs.get("async_op") else None
+def _handle(kwargs: dict[str, Any], *tensors: Any) -> _Done | None:
+    """The handle for `async_op=True` (None otherwise), its future holding `tensors` (tensors or lists of them)."""
+    if not kwargs.get("async_op"):
+        return None
+    flat = [t for item in tensors for t in (item if isinstance(item, list | tuple) else [item])]
+    return _Done([t for t in flat if isinstance(t, torch.Tensor)])
 
 
 def _one(items: Any, what: str) -> Any:
@@ -79,40 +91,40 @@ def _same(output: Any, value: Any) -> None:
 
 def _nothing(*args: Any, **kwargs: Any) -> _Done | None:
     """all_reduce, reduce, broadcast, barrier...: with one participant the tensor is already the result."""
-    return _handle(kwargs)
+    return _handle(kwargs, *(args[:1] or [kwargs.get("tensor", kwargs.get("tensors"))]))
 
 
 def _all_gather(tensor_list: Any, tensor: Any, *args: Any, **kwargs: Any) -> _Done | None:
     _one(tensor_list, "all_gather's tensor_list").copy_(tensor)
-    return _handle(kwargs)
+    return _handle(kwargs, tensor_list)
 
 
 def _into_tensor(output: Any, tensor: Any, *args: Any, **kwargs: Any) -> _Done | None:
     """all_gather_into_tensor / reduce_scatter_tensor / all_to_all_single: output is the input."""
     _same(output, tensor)
-    return _handle(kwargs)
+    return _handle(kwargs, output)
 
 
 def _reduce_scatter(output: Any, input_list: Any, *args: Any, **kwargs: Any) -> _Done | None:
     output.copy_(_one(input_list, "reduce_scatter's input_list"))
-    return _handle(kwargs)
+    return _handle(kwargs, output)
 
 
 def _all_to_all(output_list: Any, input_list: Any, *args: Any, **kwargs: Any) -> _Done | None:
     _one(output_list, "all_to_all's output_tensor_list").copy_(_one(input_list, "all_to_all's input_tensor_list"))
-    return _handle(kwargs)
+    return _handle(kwargs, output_list)
 
 
 def _gather(tensor: Any, gather_list: Any = None, *args: Any, **kwargs: Any) -> _Done | None:
     if gather_list:
         _one(gather_list, "gather's gather_list").copy_(tensor)
-    return _handle(kwargs)
+    return _handle(kwargs, gather_list or [])
 
 
 def _scatter(tensor: Any, scatter_list: Any = None, *args: Any, **kwargs: Any) -> _Done | None:
     if scatter_list:
         tensor.copy_(_one(scatter_list, "scatter's scatter_list"))
-    return _handle(kwargs)
+    return _handle(kwargs, tensor)
 
 
 def _all_gather_object(object_list: list[Any], obj: Any, *args: Any, **kwargs: Any) -> None:
@@ -188,7 +200,28 @@ def world_of_one() -> Iterator[None]:
         # LOCAL_RANK too: Lightning's strategy indexes its one device with it (`parallel_devices[local_rank]`)
         stack.enter_context(mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
                                                          "LOCAL_WORLD_SIZE": "1"}))
+        # accelerate's Accelerator() reads the world it was first built in from process-wide singletons
+        stack.enter_context(accelerate_state.fresh())
         yield
+
+
+@contextlib.contextmanager
+def without_comm_hooks() -> Iterator[list[str]]:
+    """DDP's `register_comm_hook` and `_register_builtin_comm_hook` as no-ops that name what they were given
+    (the list yielded): the reference a run with a comm hook is compared with runs DDP's own all-reduce, so that
+    it neither inherits the hook under judgement nor depends on the hook working in a world of one (a hook whose
+    state is a group or an object set up for the real world)."""
+    skipped: list[str] = []
+
+    def register_comm_hook(ddp: Any, state: object, hook: Callable[..., Any]) -> None:
+        skipped.append(getattr(hook, "__qualname__", None) or repr(hook))
+
+    def register_builtin(ddp: Any, comm_hook_type: Any) -> None:
+        skipped.append(str(comm_hook_type))
+
+    with mock.patch.object(DistributedDataParallel, "register_comm_hook", register_comm_hook), \
+            mock.patch.object(DistributedDataParallel, "_register_builtin_comm_hook", register_builtin):
+        yield skipped
 
 
 def _imported_bindings(originals: dict[int, tuple[Any, Any]]) -> list[tuple[Any, str, Any]]:

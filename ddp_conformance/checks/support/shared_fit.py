@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
+from . import lr_trail
 from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
 from .kept import kept_or_run
@@ -213,11 +214,13 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
         at = k if checkpoint_dir is not None else None
         if checkpoint_dir is not None:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        state, progress = guarded_fit(
-            ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
-                n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
-            inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True,
-            keep_params_at=k + PARTING_STEPS if k + PARTING_STEPS <= n else None)
+        with lr_trail.watching() as rates:  # a schedule set by the total steps, told from an unreproducible fit
+            state, progress = guarded_fit(
+                ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
+                    n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
+                inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True,
+                keep_params_at=k + PARTING_STEPS if k + PARTING_STEPS <= n else None)
+        lr_trail.remember(ctx.recordings["uninterrupted"], rates)
         return ObservedFit(config, cadence, epoch, k, n, ctx.recordings["uninterrupted"], state, progress,
                            checkpoint_dir, ctx.check_id)
 

@@ -71,6 +71,7 @@ class TensorState:
     at_wrap: bool  # the module held it when DDP was built (False: created or registered afterwards)
     ignored: bool  # DDP was told to leave it alone (rank-local by design)
     forward_synced: bool  # DDP broadcasts it from rank 0 before every forward
+    gradient: bool = True  # a parameter that gets gradients (requires_grad); False for a frozen one (a teacher copy)
 
 
 @dataclass
@@ -92,7 +93,8 @@ def tensor_states(model: Any, wrap: WrapTime | None, digest: Any) -> dict[str, T
             ignored = wrap is not None and id(tensor) in wrap.ignored
             synced = (kind == BUFFER and not ignored and wrap is not None and wrap.forward_buffers
                       and wrap.had_buffers)
-            states[name] = TensorState(kind, digest(tensor.detach()), known, ignored, synced)
+            states[name] = TensorState(kind, digest(tensor.detach()), known, ignored, synced,
+                                       kind == BUFFER or tensor.requires_grad)
     return states
 
 

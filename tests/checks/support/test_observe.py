@@ -708,3 +708,34 @@ def test_with_model_hooks_only_the_recorder_leaves_every_other_module_s_forward_
             output.sum().backward()
     assert recorder.record.micro_batches == 3 and recorder.record.model is model
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_activation_checkpointing_s_recomputed_forwards_are_no_micro_batches():
+    """A checkpointed block's forward runs again inside the backward (reentrant or not): the recorder counted each
+    recomputation as a micro-batch, so a correct fit with checkpointing read as three micro-batches per step."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from ddp_conformance.checks.support.observe import FitRecorder
+
+    class Checkpointed(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.stem, self.block = nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.reentrant = reentrant
+
+        def forward(self, x):
+            x = self.stem(x)
+            for _ in range(2):
+                x = checkpoint(self.block, x, use_reentrant=self.reentrant)
+            return x.sum()
+
+    for reentrant in (True, False):
+        model = Checkpointed(reentrant)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with FitRecorder() as recorder:
+            for _ in range(2):
+                model(torch.randn(2, 3)).backward()
+                optimizer.step()
+        assert recorder.record.micro_batches == 2 and recorder.record.optimizer_steps == 2

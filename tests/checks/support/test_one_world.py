@@ -87,3 +87,42 @@ def test_ddp_s_join_keeps_its_real_group_in_the_world_of_one(ddp):
     with world_of_one(), model.join():
         model(torch.ones(2, 3)).sum().backward()
     assert torch.equal(model.module.weight.grad, torch.full((1, 3), 2.0))  # this rank's own gradient, unaveraged
+
+
+def test_an_async_collective_s_future_holds_its_tensors_as_a_real_one_does():
+    """A comm hook's `dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])`
+    reads the tensor back from the future: a stand-in whose future held None raised inside the trainer's hook."""
+    import torch
+
+    from ddp_conformance.checks.support.one_world import stand_ins
+
+    one = stand_ins()
+    value, into = torch.ones(3), torch.zeros(3)
+    assert one["all_reduce"](value, async_op=True).get_future().value()[0] is value
+    assert one["all_reduce"](value) is None
+    assert one["all_gather_into_tensor"](into, value, async_op=True).get_future().value()[0] is into
+    assert one["barrier"](async_op=True).get_future().value() == []
+
+
+@pytest.mark.ddp(world_size=2)
+def test_ddp_registers_no_comm_hook_in_the_reference(ddp):
+    """The reference for a run with a comm hook runs DDP's own all-reduce: the hook is named, not registered."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_conformance.checks.support.observe import comm_hook_name
+    from ddp_conformance.checks.support.one_world import without_comm_hooks
+
+    def never(state, bucket):  # a hook that cannot run: it would fail the backward below
+        raise AssertionError("the hook ran")
+
+    with without_comm_hooks() as skipped:
+        model = DistributedDataParallel(torch.nn.Linear(2, 2))
+        model.register_comm_hook(None, never)
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        model(torch.ones(1, 2)).sum().backward()
+    assert skipped == [never.__qualname__, "BuiltinCommHookType.FP16_COMPRESS"] and comm_hook_name(model) is None
+    hooked = DistributedDataParallel(torch.nn.Linear(2, 2))
+    hooked.register_comm_hook(None, never)  # outside it, DDP's own method again
+    assert comm_hook_name(hooked) is not None
