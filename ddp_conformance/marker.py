@@ -2,9 +2,10 @@
 
 `DdpTest` is the runner's input type (`runner.controller`); this module builds it from the marker.
 
-`@pytest.mark.ddp(world_size=None, timeout=None, preload=())`: world_size an int >= 1 or a list of
-them (one test id each, through the `ddp` fixture's indirect parametrization), timeout a number of
-seconds, preload module names the ranks import before the test can start (see `DdpTest.preload`).
+`@pytest.mark.ddp(world_size=None, timeout=None, preload=(), requires=())`: world_size an int >= 1 or a
+list of them (one test id each, through the `ddp` fixture's indirect parametrization), timeout a number
+of seconds, preload module names the ranks import before the test can start (see `DdpTest.preload`),
+requires those the test cannot run without (`DdpTest.requires`).
 A bad marker is one line at collection, before anything is spawned: the test's collection error,
 as pytest reports its own markers' misuse (`fail(..., pytrace=False)`), never a traceback.
 """
@@ -19,9 +20,10 @@ from .options import settings_of
 from .runner.controller import DdpTest
 
 MARKER_HELP = (
-    "ddp(world_size=None, timeout=None, preload=()): run the test body on every rank of an initialised "
-    "process group; world_size an int or a list of ints (one test id each), default --ddp-world-size; "
-    "preload: modules imported once before the ranks start (e.g. torch._dynamo)."
+    "ddp(world_size=None, timeout=None, preload=(), requires=()): run the test body on every rank of an "
+    "initialised process group; world_size an int or a list of ints (one test id each), default "
+    "--ddp-world-size; preload: modules imported once before the ranks start (e.g. torch._dynamo); "
+    "requires: modules the ranks must import, else the session stops in one line before its first test."
 )
 
 
@@ -29,7 +31,7 @@ _KEY = pytest.StashKey["DdpTest | None"]()
 _UNREAD: Any = object()
 
 
-KEYWORDS = ("world_size", "timeout", "preload")
+KEYWORDS = ("world_size", "timeout", "preload", "requires")
 
 
 def _bad(where: str, problem: str) -> NoReturn:
@@ -68,12 +70,12 @@ def _timeout(marker: pytest.Mark, where: str) -> float | None:
     return float(value)
 
 
-def _preload(marker: pytest.Mark, where: str) -> tuple[str, ...]:
-    value = marker.kwargs.get("preload", ())
+def _modules(marker: pytest.Mark, where: str, keyword: str) -> tuple[str, ...]:
+    value = marker.kwargs.get(keyword, ())
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(
             isinstance(n, str) and n and all(part.isidentifier() for part in n.split(".")) for n in names):
-        _bad(where, f"@pytest.mark.ddp(preload=...) expects a module name or a list of them "
+        _bad(where, f"@pytest.mark.ddp({keyword}=...) expects a module name or a list of them "
                     f"(e.g. \"torch._dynamo\"), got {value!r}")
     return tuple(names)
 
@@ -86,7 +88,8 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
     _signature(marker, metafunc.definition.nodeid)
     sizes = _sizes(marker, metafunc.definition.nodeid)
     _timeout(marker, metafunc.definition.nodeid)
-    _preload(marker, metafunc.definition.nodeid)
+    for keyword in ("preload", "requires"):
+        _modules(marker, metafunc.definition.nodeid, keyword)
     if sizes is None or len(sizes) == 1:
         return
     # parametrize needs an argument the test requests: the `ddp` fixture, indirectly
@@ -119,4 +122,5 @@ def _parse(item: pytest.Item) -> DdpTest | None:
     timeouts = (_timeout(mark, item.nodeid) for mark in item.iter_markers("ddp"))
     timeout = next((seconds for seconds in timeouts if seconds is not None), None) or settings.timeout
     return DdpTest(world_size=requested or settings.world_size, requested_size=requested, timeout=timeout,
-                   preload=_preload(marker, item.nodeid))
+                   preload=_modules(marker, item.nodeid, "preload"),
+                   requires=_modules(marker, item.nodeid, "requires"))

@@ -30,6 +30,10 @@ class DdpTest:
     # every rank imports itself costs its CPU once per rank (torch._dynamo: ~2.4 s, at a rank's first
     # optimizer or DDP), and the ranks of a 2-core machine import it side by side
     preload: tuple[str, ...] = ()
+    # modules a rank cannot run this test without (beyond `wire.RANK_IMPORTS`): where the fork server
+    # cannot import one, the session stops before its first test with one line naming it, instead of
+    # failing every test with the same traceback
+    requires: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
 # Once a rank says it has it, the zygote imports it while idle, so that ranks forked later start
 # with it; a session whose tests never need it never pays for it (most of this project's own)
 WARMUP: Final = ("torch._dynamo",)
+# what every rank needs to join a group and run a test: the fork server imports them before it says it
+# is ready, and a session whose ranks cannot import one of them stops before its first test
+# (torch.optim and torch.nn.parallel come with torch)
+RANK_IMPORTS: Final = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class Hello:
 @dataclass
 class Ready:
     pid: int
+    # a fork server's modules that raised on import, each with its error's one line: the pool decides
+    # which of them its tests cannot do without
+    unimportable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -69,6 +69,8 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
                         advise=settings.advise)
 
 
-@pytest.mark.ddp(preload=WARMUP)  # every check builds an optimizer, which imports torch._dynamo
+# every check builds an optimizer, which imports torch._dynamo; every check gathers objects across
+# ranks, which torch.distributed reads through numpy
+@pytest.mark.ddp(preload=WARMUP, requires=("numpy",))
 def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
     run_check(check, conformance_options, ddp, tmp_path).conclude()

@@ -116,6 +116,60 @@ def test_trainer_that_does_not_import(pytester: pytest.Pytester) -> None:
     assert "No module named 'not_a_module_anywhere'" in line
 
 
+RANKS_IMPORT = """
+import pytest
+
+@pytest.mark.ddp(world_size=2, requires={requires!r})
+@pytest.mark.parametrize("case", range(3))
+def test_distributed(ddp, case):
+    import {module}
+    open({ran!r} + str(ddp.rank) + str(case), "w").close()
+"""
+
+
+def run_unimportable(pytester: pytest.Pytester, requires: tuple[str, ...], module: str) -> tuple[str, Path]:
+    """A session whose ranks cannot import a module they need: one usage line before any test."""
+    ran = pytester.path / "ran"
+    pytester.makepyfile(test_ranks=RANKS_IMPORT.format(requires=requires, module=module, ran=str(ran)))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    errors = [line for line in result.stderr.lines if line.strip()]
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    assert len(errors) == 1, result.stderr.str()
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+    assert not list(pytester.path.glob("ran*")), "a test ran before the usage error"
+    return errors[0], ran
+
+
+def test_a_module_tests_require_that_ranks_cannot_import_stops_the_session_in_one_line(
+        pytester: pytest.Pytester) -> None:
+    line, _ = run_unimportable(pytester, ("json", "not_a_module_anywhere"), "json")
+    assert line.startswith("ERROR: ddp-conformance: the rank processes cannot import not_a_module_anywhere, "
+                           "which 3 collected tests require: ModuleNotFoundError: No module named "
+                           "'not_a_module_anywhere'; install it into the environment of "), line
+
+
+def test_a_rank_without_torch_stops_the_session_in_one_line(pytester: pytest.Pytester,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks' own imports (torch) are needed by every test, declared or not; pytest's process need
+    not import torch, so a broken one is first seen in the ranks."""
+    shadow = pytester.path / "shadow" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('this torch is broken')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
+    line, _ = run_unimportable(pytester, (), "json")
+    assert line.startswith("ERROR: ddp-conformance: the rank processes cannot import torch (and "
+                           "torch.distributed), which every distributed test needs: ImportError: this torch is "
+                           "broken; install it into the environment of "), line
+
+
+def test_modules_tests_require_that_import_are_no_obstacle(pytester: pytest.Pytester) -> None:
+    ran = pytester.path / "ran"
+    pytester.makepyfile(test_ranks=RANKS_IMPORT.format(requires=("colorsys",), module="colorsys", ran=str(ran)))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    assert len(list(pytester.path.glob("ran*"))) == 6
+
+
 def test_trainer_spec_that_names_no_adapter(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(my_adapter="class Trainer:\n    pass\nVALUE = 3\n")
     line = run_usage_error(pytester, "--ddp-trainer", "my_adapter.py:VALUE")
@@ -142,7 +196,7 @@ def test_config_from_ini_is_relative_to_rootdir(pytester: pytest.Pytester) -> No
 
 @pytest.mark.parametrize(("arguments", "expected"), [
     ("world_sizes=[2, 4]", "@pytest.mark.ddp got an unknown keyword (world_sizes=[2, 4]); expected world_size, "
-                           "timeout, preload"),
+                           "timeout, preload, requires"),
     ("world_size=0", "@pytest.mark.ddp(world_size=...) expects an int >= 1 or a list of them, got 0"),
     ("timeout='abc'", "@pytest.mark.ddp(timeout=...) expects a number of seconds > 0, got 'abc'"),
     ("2, 4", "@pytest.mark.ddp takes world_size as its only positional argument, got 2 positional (2, 4)"),

@@ -44,6 +44,7 @@ def test_ini_mirror_and_bad_ini_value(pytester: pytest.Pytester) -> None:
 @pytest.mark.parametrize(("argument", "expected"), [
     ("world_size=[2, 0]", "*test_x*world_size=...) expects an int >= 1 or a list of them, got [[]2, 0[]]*"),
     ("preload=['torch.', 3]", "*test_x*preload=...) expects a module name or a list of them*got [[]'torch.', 3[]]*"),
+    ("requires=5", "*test_x*requires=...) expects a module name or a list of them*got 5*"),
 ])
 def test_bad_marker_argument_is_named(pytester: pytest.Pytester, argument: str, expected: str) -> None:
     pytester.makepyfile(

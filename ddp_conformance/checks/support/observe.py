@@ -341,6 +341,9 @@ class FitRecorder:
         self._yielded: tuple[int, int, Any] | None = None  # (pass index, batches it yielded, the last one)
         self._yielded_before: Any = None  # the batch yielded before `_yielded`'s, for a loader read one ahead
         self._ahead: dict[int, Any] = {}  # pass index -> the wrapper that reads its loader ahead (`loader_wrappers`)
+        # (model, pass, index) of a micro-batch whose positional inputs hold no tensor: its keyword inputs
+        # (`model(input_ids=x)`, as Hugging Face calls a model) reach only a hook of the model's own
+        self._keyword_fed: tuple[Any, LoaderPass, int] | None = None
         self.listener = listener
         self.rank = rank
         self._stack = contextlib.ExitStack()
@@ -413,6 +416,12 @@ class FitRecorder:
                 and module is getattr(self.record.model, "module", None):  # after DDP's forward-time broadcast
             self._take_start(self.record.model)
 
+    def _on_keyword_inputs(self, module: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
+        """A micro-batch fed by keyword is digested by its keyword inputs (`_keyword_fed`)."""
+        pending, self._keyword_fed = self._keyword_fed, None
+        if pending is not None and pending[0] is module and kwargs:
+            pending[1].inputs[pending[2]] = fed_digest(kwargs)
+
     def _on_forward_end(self, module: Any, args: Any, output: Any) -> None:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
         if self._depth.value == 0:
@@ -429,6 +438,9 @@ class FitRecorder:
             self._hook_the_model_alone(model)
         if first:
             record.model_type, record.model = type(model).__name__, model
+            # a forward hook: torch gathers a forward's pre-hooks before the global one that calls this runs, its
+            # forward hooks after the forward, so this one digests this forward's keyword inputs too
+            self._stack.callback(model.register_forward_hook(self._on_keyword_inputs, with_kwargs=True).remove)
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
             self._watch_local_grads(model)
             if self._watch_norms:
@@ -461,6 +473,7 @@ class FitRecorder:
         if fed is not None and len(fed.inputs) < DIGESTED_INPUTS and (
                 not fed.inputs or not fed.indexed or self._all_inputs):
             fed.inputs.append(fed_digest(inputs))  # the first always (iterable datasets); all without indices
+            self._keyword_fed = (model, fed, len(fed.inputs) - 1) if fed.inputs[-1] is None else None
         self._close_micro_batch()
         if self.listener is None:
             return
@@ -987,8 +1000,9 @@ def step_digest(parameters: list[Any]) -> str:
 
 def fed_digest(inputs: Any) -> str | None:
     """A digest of a micro-batch's inputs as the model's forward got them, or None when no tensor or
-    array is among them: keyword arguments (`model(input_ids=x)`) never reach a global forward hook,
-    and a digest of nothing would make every rank look fed alike."""
+    array is among them: keyword arguments (`model(input_ids=x)`) never reach a global forward hook (the
+    model's own forward hook digests them: `_on_keyword_inputs`), and a digest of nothing would make every
+    rank look fed alike."""
 
     digest = hashlib.sha1()
     if isinstance(inputs, tuple):  # the forward's arguments: a plain number beside the tensors is the step's

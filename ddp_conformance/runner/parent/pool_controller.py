@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from ..controller import DdpTest, RunnerSettings, skip_at_item
-from ..wire import FAILED, SKIPPED, XFAILED, DdpPlan
+from ..wire import FAILED, RANK_IMPORTS, SKIPPED, XFAILED, DdpPlan
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
 from .supervisor import PoolStartError, RankPool
 from .task_builder import UnpicklableFixture, make_task
@@ -87,8 +88,26 @@ class PoolController:
         if sizes:
             self._activate()
             self.longest_timeout = max([self.longest_timeout, *(test.timeout for test in tests)])
-            self.preload = tuple(dict.fromkeys((*self.preload, *(name for test in tests for name in test.preload))))
+            asked = (name for test in tests for name in (*test.preload, *test.requires))
+            self.preload = tuple(dict.fromkeys((*self.preload, *asked)))
+            self.refuse_unimportable(tests)
             self.prestart(sizes[:1] if xdist_worker()[1] > 1 else sizes)
+
+    def refuse_unimportable(self, tests: Sequence[DdpTest]) -> None:
+        """A module every rank needs that the ranks cannot import (torch, a test's `requires`) is one
+        usage error before the first test, not the same traceback from every test. Judged where the fork
+        server is (where ranks are exec'd, each test still says it): its imports are the ranks'."""
+        runnable = [test for test in tests if self.place(test.world_size).skip_reason is None]
+        zygote = self.zygote() if runnable else None  # tests that all skip in the parent start nothing
+        if zygote is None:
+            return
+        needed = tuple(dict.fromkeys((*RANK_IMPORTS, *(name for test in runnable for name in test.requires))))
+        try:
+            problems = zygote.import_problems(needed)
+        except OSError:
+            return  # a zygote that cannot start: the pools fall back to exec'd ranks, and report
+        if problems:
+            raise pytest.UsageError(unimportable_line(problems, runnable))
 
     def session_started(self, config: pytest.Config) -> None:
         pass
@@ -308,3 +327,17 @@ class PoolController:
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm[0])
             self._previous_sigterm = None
+
+
+def unimportable_line(problems: dict[str, str], tests: Sequence[DdpTest]) -> str:
+    """What the ranks cannot import, the error, who needs it and where to install it, in one line."""
+    name, problem = next(iter(problems.items()))
+    if name in RANK_IMPORTS:
+        who = "which every distributed test needs"
+    else:
+        count = sum(name in test.requires for test in tests)
+        who = f"which {count} collected test{'s' if count != 1 else ''} require{'' if count != 1 else 's'}"
+    others = f" (and {', '.join(list(problems)[1:])})" if len(problems) > 1 else ""
+    return (f"ddp-conformance: the rank processes cannot import {name}{others}, {who}: {problem}; "
+            f"install it into the environment of {sys.executable}")
+

@@ -12,6 +12,7 @@ still watches them through pidfds and kills them directly.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -21,7 +22,7 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 
-from ..wire import Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
+from ..wire import RANK_IMPORTS, Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
 
 
 class _Server:
@@ -54,6 +55,7 @@ class _Server:
         self.exits: dict[int, int] = {}
         self.start_timeout = start_timeout
         self.ready = False  # it imports torch while pytest goes on; the first fork waits for it
+        self.unimportable: dict[str, str] = {}  # its imports that raised, each with its error (`wire.Ready`)
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -69,6 +71,7 @@ class _Server:
         if not isinstance(message, Ready):
             self.close()
             raise OSError(f"the rank zygote said {message!r} instead of ready")
+        self.unimportable = message.unimportable
         self.ready = True
 
     def _log_tail(self) -> str:
@@ -135,8 +138,9 @@ class Zygote:
     HASH_SEEDS = ("1", "2")
 
     def __init__(self, start_timeout: float, preload: tuple[str, ...] = ()) -> None:
-        """`preload`: modules imported, after PRELOAD, before it says it is ready (`DdpTest.preload`)."""
+        """`preload`: modules imported, after `wire.RANK_IMPORTS`, before it says it is ready (`DdpTest.preload`)."""
         self.servers: list[_Server] = []
+        self.preload = preload
         seeds: tuple[str | None, ...] = (None,) if "PYTHONHASHSEED" in os.environ else self.HASH_SEEDS
         try:
             for seed in seeds:
@@ -161,6 +165,18 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return all(server.alive for server in self.servers)
+
+    def import_problems(self, names: tuple[str, ...]) -> dict[str, str]:
+        """Which of these modules a rank cannot import, each with its error. The servers tried theirs on
+        starting (waited for); the others are tried in a process forked as a rank is. Raises OSError
+        where that process gives no answer."""
+        self.wait_ready()
+        problems = {name: problem for server in self.servers for name, problem in server.unimportable.items()}
+        untried = [name for name in names if name not in RANK_IMPORTS and name not in self.preload]
+        if untried:
+            answer = self.call("ddp_conformance.runner.rank.fork_server:import_problems", json.dumps(untried))
+            problems.update(json.loads(answer))
+        return {name: problems[name] for name in names if name in problems}
 
     def fork(self, env: dict[str, str], log_path: str) -> ForkedRank:
         """A rank with this environment: from the first server for rank 0, from the last for the rest."""

@@ -1,6 +1,6 @@
 """The fork-server process ranks are forked from (`python -m ddp_conformance.runner.rank.fork_server`).
 
-It imports what every rank needs (PRELOAD) once, then forks a rank per request of its parent's
+It imports what every rank needs (`wire.RANK_IMPORTS`) once, then forks a rank per request of its parent's
 `parent.zygote._Server`; each child becomes a rank (`serve.serve`) without returning into the loop.
 It is on the rank side because every rank starts as a copy of this process: what it imports, every
 rank has. It reaps its children and reports each exit status to the parent.
@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ..wire import WARMUP, Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
+from ..wire import RANK_IMPORTS, WARMUP, Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
 from . import serve
 
-# what a rank needs to join a group and run a test: imported before the zygote says it is ready
-# (torch.optim and torch.nn.parallel come with torch)
-PRELOAD = ("torch", "torch.distributed", "pytest", "_pytest.assertion.rewrite", "_pytest._code")
 # wire.WARMUP, once the pool says ranks use it, is imported while the zygote is idle, one module
 # at a time, so that a fork request never waits long
 WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
@@ -76,25 +74,37 @@ def _reap(conn: Connection) -> None:
         send(conn, Exited(pid=pid, status=status))
 
 
-def _import_quietly(name: str) -> None:
-    """A preload is an optimisation: one that fails is logged, and the ranks import it themselves."""
+def _import_quietly(name: str) -> str | None:
+    """A preload is an optimisation: one that fails is logged, and the ranks import it themselves.
+    Returns the error's one line, for the pool to judge (a rank without torch serves no test)."""
     try:
         __import__(name)
-    except Exception:
+    except Exception as exc:
         traceback.print_exc()
+        return f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
+    return None
+
+
+def _import_all(names: tuple[str, ...]) -> dict[str, str]:
+    """Each module's import, and the error of every one that raised."""
+    problems = {name: _import_quietly(name) for name in dict.fromkeys(names)}
+    return {name: problem for name, problem in problems.items() if problem is not None}
+
+
+def import_problems(names: str) -> str:
+    """`Zygote.import_problems`' question (a JSON list of module names) asked in a process forked as a
+    rank is: a JSON object of those that raised on import, each with its error."""
+    return json.dumps(_import_all(tuple(json.loads(names))))
 
 
 def main(fd: int, preload: list[str]) -> int:
     serve.die_with_parent()
     conn = Connection(fd)
-    for name in PRELOAD:
-        __import__(name)
-    for name in preload:
-        _import_quietly(name)  # (torch._dynamo also writes os.environ: reset per rank)
+    unimportable = _import_all((*RANK_IMPORTS, *preload))  # (torch._dynamo also writes os.environ: reset per rank)
     warmup: list[str] = []
     busy_until = time.monotonic() + WARMUP_AFTER_IDLE
     try:
-        send(conn, Ready(pid=os.getpid()))
+        send(conn, Ready(pid=os.getpid(), unimportable=unimportable))
         while True:
             _reap(conn)
             if not conn.poll(0.02):
