@@ -46,6 +46,7 @@ class Settings:
     report_path: str | None = None
     checks: tuple[str, ...] = DEFAULT_CHECKS  # the conformance checks the suite runs, in suite order
     advise: bool = False  # measure what a setting the config leaves off would give (`--ddp-advise`)
+    max_steps: int | None = None  # the most optimizer steps one fit of a check may train (`--ddp-max-steps`)
     spec_base: str = "."  # what relative SPEC paths are relative to: the typist's directory, or the rootdir for ini
 
     @property
@@ -130,6 +131,11 @@ def add_options(parser: pytest.Parser) -> None:
         "(bucket_view_memory's saving, whether static_graph could be on): more fits.",
     )
     group.addoption(
+        "--ddp-max-steps", dest="ddp_max_steps", default=None, metavar="N",
+        help="the most optimizer steps any one fit of a conformance check may train; a check whose plan needs "
+        "more skips, saying what it needs (default: no cap).",
+    )
+    group.addoption(
         "--ddp-config", dest="ddp_config", default=None, metavar="PATH",
         help="Lightning-style YAML run config (trainer.strategy, trainer.precision, ...; see docs/adapter.md).",
     )
@@ -140,6 +146,7 @@ def add_options(parser: pytest.Parser) -> None:
     parser.addini("ddp_trainers", "default --ddp-trainer SPECs, one a line", type="linelist", default=[])
     parser.addini("ddp_checks", "default --ddp-checks", default=None)
     parser.addini("ddp_advise", "default --ddp-advise", type="bool", default=False)
+    parser.addini("ddp_max_steps", "default --ddp-max-steps", default=None)
     parser.addini("ddp_config", "default --ddp-config (relative to the rootdir)", default=None)
     parser.addini("ddp_report", "default --ddp-report (relative to the rootdir)", default=None)
     parser.addini("ddp_world_size", "default --ddp-world-size", default=None)
@@ -217,6 +224,7 @@ def read_settings(config: pytest.Config) -> Settings:
                     rank_threads=threads, device=device, trainers=trainers, config_path=_path(config, "ddp_config"),
                     report_path=_path(config, "ddp_report"), checks=_checks(config),
                     advise=bool(config.getoption("ddp_advise") or config.getini("ddp_advise")),
+                    max_steps=_int(config, "ddp_max_steps", 1, None),
                     spec_base=str(spec_base))
 
 

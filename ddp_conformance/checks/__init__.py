@@ -75,6 +75,7 @@ class CheckOptions:
     config: RunConfig  # the `--ddp-config` file, read once in the pytest process
     stall_after: float
     advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
+    max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
 
 
 def stall_seconds(timeout: float) -> float:
@@ -102,7 +103,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     try:
         with named(options.trainer.label):
             ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
-                                      Path(workdir), figures, advise=options.advise)
+                                      Path(workdir), figures, advise=options.advise, max_steps=options.max_steps)
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)

@@ -149,6 +149,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "checkpoint_cadence": observed.cadence or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
+    if not shared_fit.whole_epochs(epoch):
+        ctx.note(f"an epoch of the training loader is {epoch} optimizer steps, longer than the "
+                 f"{shared_fit.LONG_EPOCH_STEPS} the suite trains whole: the resume is judged from a checkpoint at "
+                 f"step {k} to step {n}" + (", within the first epoch: an epoch counter or a sampler's epoch lost on "
+                 "resume is not judged" if n <= epoch else ""))
     full = _uninterrupted(ctx, observed, figures)
     _ranks_stay_in_step(ctx, n, epoch, figures)
     _ranks_train_alike(ctx, n, figures)

@@ -66,7 +66,7 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
     unbuilt.watch(request.node, build)
     timeout = marked.timeout if marked is not None else settings.timeout
     return CheckOptions(trainer=parsed, config=conformance_config, stall_after=stall_seconds(timeout),
-                        advise=settings.advise)
+                        advise=settings.advise, max_steps=settings.max_steps)
 
 
 # every check builds an optimizer, which imports torch._dynamo; every check gathers objects across

@@ -248,6 +248,8 @@ def test_an_option_value_pytest_took_for_a_test_path_is_one_line(pytester: pytes
     (["--ddp-config=missing.yaml"], "", "--ddp-config: missing.yaml: "),
     (["--ddp-trainer=nowhere.py:Trainer"], "", "--ddp-trainer: 'nowhere.py:Trainer': "),
     (["--ddp-report=/proc/r.json"], "", "--ddp-report: /proc/r.json: "),
+    (["--ddp-max-steps=0"], "", "--ddp-max-steps: expected an integer >= 1, got 0"),
+    ([], "ddp_max_steps = many", "ini option ddp_max_steps: expected an integer >= 1, got 'many'"),
     ([], "ddp_world_size = 0", "ini option ddp_world_size: "),
     ([], "ddp_config = missing.yaml", "ini option ddp_config: "),
     ([], "ddp_trainers = nowhere.py:Trainer", "ini option ddp_trainers: 'nowhere.py:Trainer': "),

@@ -64,12 +64,14 @@ class CheckContext:
     observed_steps: int = 0
     shared: bool = True
     advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
+    max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
     began: float = field(default_factory=time.perf_counter)
     _depth: int = 0
 
     @classmethod
     def create(cls, check_id: str, spec: TrainerSpec, config: RunConfig, stall_after: float, ddp: Any,
-               workdir: Path, figures: dict[str, Any], advise: bool = False) -> CheckContext:
+               workdir: Path, figures: dict[str, Any], advise: bool = False,
+               max_steps: int | None = None) -> CheckContext:
         """This rank's context: the SPEC resolved here, the session's config fitted to this group."""
         factory = spec.resolve()
         rank_ctx = RankContext.from_fixture(ddp, workdir)
@@ -79,10 +81,16 @@ class CheckContext:
         shared = shared_directory(workdir / check_id, rank_ctx.rank)
         ctx = cls(check_id=check_id, spec=spec, factory=factory, config=config, rank_ctx=rank_ctx, ddp=ddp,
                   workdir=shared or workdir / check_id, stall_after=stall_after, figures=figures,
-                  shared=shared is not None, advise=advise)
+                  shared=shared is not None, advise=advise, max_steps=max_steps)
         ctx.workdir.mkdir(parents=True, exist_ok=True)
         ctx.config_notes = notes
         return ctx
+
+    def within_budget(self, fit: str, steps: int) -> None:
+        """Skip before a fit of more optimizer steps than `--ddp-max-steps` allows, naming what it needed."""
+        if self.max_steps is not None and steps > self.max_steps:
+            pytest.skip(f"{self.check_id} needs a fit of {steps} optimizer steps ('{fit}'), more than "
+                        f"--ddp-max-steps {self.max_steps} allows: raise the cap to {steps} to judge it")
 
     def require_shared_workdir(self) -> None:
         """Skip unless every rank sees the same directory (progress files, a checkpoint all read)."""

@@ -261,6 +261,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     is dropped: the next fit starts in a process unlike a fresh one.
     """
     __tracebackhide__ = hide_on_verdict
+    ctx.within_budget(label, steps)
     directory = ctx.workdir / "progress" / label
     directory.mkdir(parents=True, exist_ok=True)
     observer = ProgressObserver(directory / f"rank{ctx.rank}.json", ctx.rank, inner)

@@ -50,6 +50,10 @@ from .vacuity import TrainingEvidence
 
 #: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
 WHOLE_EPOCHS = 3
+#: the longest epoch, in optimizer steps, the shared fit trains whole (three of them and a step). A real
+#: epoch is hundreds to thousands of steps: past this, what the suite trains stops following the epoch,
+#: and the checks judge the first steps of it (`plan_steps`), saying what that leaves unjudged
+LONG_EPOCH_STEPS = 24
 #: optimizer steps of the dropout-free fit, which is rank_participation's fit too where the config has no
 #: dropout: DDP buckets by bucket_cap_mb from the second iteration, and with static_graph relies on the first
 #: iteration's graph from the second on
@@ -141,7 +145,14 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
     crosses an epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer
     that checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that
     checkpoints every N steps the first multiple of N inside the second epoch or after it. n is at
-    least k + E, and one step past sampler_disjointness's three whole epochs, so one fit serves both."""
+    least k + E, and one step past sampler_disjointness's three whole epochs, so one fit serves both.
+
+    An epoch longer than LONG_EPOCH_STEPS (`whole_epochs` False) is not trained whole: k is the first
+    step the trainer can checkpoint at past LONG_EPOCH_STEPS (mid-way through the first epoch, without a
+    cadence) and n = k + LONG_EPOCH_STEPS, so that the steps do not grow with the epoch; a trainer that
+    checkpoints only at epoch ends still needs the first one (k = E)."""
+    if not whole_epochs(epoch):
+        return _plan_within_an_epoch(epoch, cadence)
     if cadence == "epoch":
         k = 2 * epoch
     elif isinstance(cadence, int) and cadence > 0:
@@ -149,6 +160,21 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
     else:
         k = epoch + epoch // 2 + 1
     return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), WHOLE_EPOCHS * epoch + 1)
+
+
+def whole_epochs(epoch: int) -> bool:
+    """Whether the shared fit trains whole epochs of `epoch` steps (`plan_steps`)."""
+    return epoch <= LONG_EPOCH_STEPS
+
+
+def _plan_within_an_epoch(epoch: int, cadence: int | str | None) -> tuple[int, int]:
+    if cadence == "epoch":
+        k = epoch
+    elif isinstance(cadence, int) and cadence > 0:
+        k = cadence * math.ceil((LONG_EPOCH_STEPS + 1) / cadence)
+    else:
+        k = LONG_EPOCH_STEPS + 1
+    return k, k + LONG_EPOCH_STEPS
 
 
 def probe(ctx: CheckContext) -> FitRecord:

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ddp_conformance.checks.support import kept, shared_fit
 from ddp_conformance.config import RunConfig
@@ -64,6 +66,8 @@ def test_held_evidence_is_reused_by_key_and_dropped_when_forgotten() -> None:
 
 TESTS = """
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from types import SimpleNamespace
 from ddp_conformance.checks.support import kept
 from ddp_conformance.checks.support import shared_fit
@@ -136,3 +140,31 @@ def test_rank_participation_s_fit_is_the_dropout_free_fit_where_the_config_has_n
         assert participation == {"steady": "ran here"} and steady == "reused from rank_participation", results
     else:
         assert "steady" not in participation and steady == "ran here", results
+
+
+@given(epoch=st.integers(1, 10**6), cadence=st.one_of(st.none(), st.just("epoch"), st.integers(1, 50)))
+def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_trained_whole(
+        epoch: int, cadence: int | str | None) -> None:
+    """Counted, not timed: past LONG_EPOCH_STEPS the plan trains at most a constant number of steps (a trainer
+    that checkpoints only at epoch ends needs the first one), the checkpoint before the end, the resume at
+    least LONG_EPOCH_STEPS long; up to it, three whole epochs and a step, the checkpoint in the second epoch."""
+    k, n = shared_fit.plan_steps(epoch, cadence)
+    long = shared_fit.LONG_EPOCH_STEPS
+    assert 0 < k < n
+    if shared_fit.whole_epochs(epoch):
+        assert epoch <= long and n >= shared_fit.WHOLE_EPOCHS * epoch + 1 and epoch <= k and n - k >= epoch
+        return
+    assert n - k == long
+    if cadence == "epoch":
+        assert k == epoch
+    else:
+        assert k <= (cadence if isinstance(cadence, int) else 1) * (long + 1) + long
+        assert n <= 2 * long + 1 + (cadence if isinstance(cadence, int) else 0)
+
+
+def test_the_longest_epoch_trained_whole_costs_what_any_longer_one_costs_at_most() -> None:
+    """The step where the plan changes: an epoch of LONG_EPOCH_STEPS + 1 trains fewer steps than one of
+    LONG_EPOCH_STEPS, so that the cost is bounded by the longest epoch trained whole."""
+    long = shared_fit.LONG_EPOCH_STEPS
+    assert shared_fit.plan_steps(long + 1, None)[1] <= shared_fit.plan_steps(long, None)[1]
+    assert shared_fit.plan_steps(long + 1, None) == shared_fit.plan_steps(100 * long, None)
