@@ -11,11 +11,11 @@ import pytest
 CONFIG = Path(__file__).with_name("suite.yaml")
 
 
-def run_suite(pytester: pytest.Pytester, *args: str) -> dict[str, dict]:
+def run_suite(pytester: pytest.Pytester, *args: str, config: Path = CONFIG) -> dict[str, dict]:
     report = pytester.path / "report.json"
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-trainer", "torch",
-        "--ddp-checks", "rank_participation,sampler_disjointness,resume_fidelity", f"--ddp-config={CONFIG}",
+        "--ddp-checks", "rank_participation,sampler_disjointness,resume_fidelity", f"--ddp-config={config}",
         "--ddp-timeout", "60", f"--ddp-report={report}", "-rs", *args)
     assert result.ret == 0, result.stdout.str()
     return {entry["check"]: entry for entry in json.loads(report.read_text())["results"]}
@@ -38,3 +38,18 @@ def test_a_cap_the_plan_fits_in_changes_no_verdict(pytester: pytest.Pytester) ->
     results = run_suite(pytester, "--ddp-max-steps", "25")
     assert {check: entry["outcome"] for check, entry in results.items()} == dict.fromkeys(results, "passed")
     assert results["resume_fidelity"]["figures"]["final_step"] == 25
+
+
+def test_the_steps_the_checks_train_do_not_grow_with_the_epoch(pytester: pytest.Pytester) -> None:
+    """The torch reference at 100 and at 1,000 optimizer steps an epoch (800 and 8,000 samples at world size 2):
+    every check observes as many steps at both, with the same verdicts; counted from the report's figures."""
+    observed = {}
+    for samples in (800, 8000):
+        config = pytester.path / f"epoch_{samples}.yaml"
+        config.write_text(CONFIG.read_text() + f"data:\n  size: {samples}\n")
+        results = run_suite(pytester, config=config)
+        assert results["resume_fidelity"]["figures"]["epoch_steps"] == samples // 8
+        observed[samples] = {check: (entry["outcome"], entry["figures"]["observed_steps"])
+                             for check, entry in results.items()}
+    assert observed[800] == observed[8000]
+    assert all(outcome == "passed" for outcome, _ in observed[800].values()), observed
