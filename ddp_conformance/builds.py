@@ -1,9 +1,14 @@
-"""Trainers that could not be built, remembered for the session: reported once, then skipped.
+"""Trainers that could not be built, or whose fit hangs, remembered for the session: reported once, then
+skipped.
 
 A trainer whose class raises in `__init__` (or whose `setup` raises with the run's config) fails
 every check the same way; six copies of one traceback bury it. The first check that fails so is
 reported with the trainer's own traceback; this plugin remembers it (in the pytest process, which
-sees every test's outcome), and the suite skips the trainer's other checks naming that test.
+sees every test's outcome), and the suite skips the trainer's other checks naming that test. A trainer
+whose fit hangs (its ranks run different collectives: a rank-0-only evaluation, a `sync_dist` log on one
+rank) is the same: every later check's fit would wait in the same hang for its own stall window and
+report it again, so the first check whose fit hung (`CheckContext.fail(..., hung=True)`) reports it, and
+the others skip naming that test.
 
 Remembered per (trainer SPEC, world size, config): a build that fails at one world size or with one
 config says nothing of another. Under pytest-xdist each worker remembers its own. No torch here.
@@ -15,7 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from .checks import RESULT_FIGURE
+
 BUILD_FAILED = ("ddp_conformance.adapter", "TrainerBuildError")  # (module, qualname): a rank's error crosses as names
+HUNG_FIGURE = "hung"  # a check's figure, True where its fit hung (`progress.guarded_fit`)
 BuildKey = tuple[str, int, str | None]  # (trainer SPEC, world size, config path)
 
 
@@ -26,11 +34,22 @@ def failed_with(exc: BaseException, named: tuple[str, str]) -> bool:
     return named in raised or getattr(exc, "rank_exc_type", None) == named
 
 
+def hung(report: pytest.TestReport) -> bool:
+    """Whether the check's result, as the report carries it (whole, or unpacked into figures), says its fit hung."""
+    for key, value in report.user_properties:
+        if key == HUNG_FIGURE and value is True:
+            return True
+        if key == RESULT_FIGURE and isinstance(value, dict) and isinstance(value.get("figures"), dict):
+            return value["figures"].get(HUNG_FIGURE) is True
+    return False
+
+
 class UnbuiltTrainers:
-    """The session's trainers that could not be built, each with the test that reported it."""
+    """The session's trainers that could not be built or whose fit hangs, each with the test that reported it."""
 
     def __init__(self) -> None:
         self.reported_by: dict[BuildKey, str] = {}
+        self.hung_in: dict[BuildKey, str] = {}
         self._keys = pytest.StashKey[BuildKey]()
 
     def watch(self, item: pytest.Item, key: BuildKey) -> None:
@@ -41,6 +60,9 @@ class UnbuiltTrainers:
         reporter = self.reported_by.get(key)
         if reporter is not None:
             pytest.skip(f"trainer {label} could not be built (see test {reporter})")
+        reporter = self.hung_in.get(key)
+        if reporter is not None:
+            pytest.skip(f"trainer {label} hangs (see test {reporter}): this check's fit would wait in the same hang")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
@@ -49,6 +71,8 @@ class UnbuiltTrainers:
         if key is not None and call.when == "call" and call.excinfo is not None \
                 and failed_with(call.excinfo.value, BUILD_FAILED) and key not in self.reported_by:
             self.reported_by[key] = item.name
+        if key is not None and call.when == "call" and report.failed and hung(report) and key not in self.hung_in:
+            self.hung_in[key] = item.name
         return report  # type: ignore[return-value]
 
 

@@ -114,3 +114,29 @@ def test_a_rank_whose_fit_raised_is_named_with_its_error_and_only_the_waiting_ra
     assert rank1.startswith("E   CheckFailed: rank 0 failed with AdapterError: ") and \
         "; rank 1 hangs waiting for it (rank 1 waits before wrapping the model" in rank1, text
     assert_no_harness(text)
+
+
+RANK_1_STOPS_EARLY = """
+    import torch.distributed as dist
+
+    from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+    class MyTrainer(TorchTrainer):
+        def fit(self, steps, **kwargs):
+            # rank 1 alone decides it has trained enough: rank 0 waits for it in DDP's all-reduce
+            return super().fit(min(steps, 1) if dist.get_rank() == 1 else steps, **kwargs)
+"""
+
+
+def test_a_trainer_whose_fit_hangs_is_reported_once_and_its_other_checks_skip(pytester: pytest.Pytester) -> None:
+    """One hang, one failure: every later check's fit would wait in the same hang for its own stall window."""
+    pytester.makepyfile(stops_early=RANK_1_STOPS_EARLY)
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "stops_early.py:MyTrainer", "--ddp-timeout",
+                                           "60", "-rs")
+    result.assert_outcomes(failed=1, skipped=len(DEFAULT_CHECKS) - 1)
+    result.stdout.fnmatch_lines(["*stops_early.MyTrainer / rank_participation failed: training hangs: rank 1 stopped*"])
+    skipped = [line for line in result.outlines if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and skipped[0].startswith(f"SKIPPED [{len(DEFAULT_CHECKS) - 1}]") and skipped[0].endswith(
+        ": trainer stops_early.MyTrainer hangs (see test test_conformance[stops_early.MyTrainer-rank_participation]): "
+        "this check's fit would wait in the same hang"), skipped
