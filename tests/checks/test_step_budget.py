@@ -34,12 +34,14 @@ def test_a_check_whose_fit_needs_more_steps_than_the_cap_skips_naming_them(pytes
         assert "more than --ddp-max-steps 24 allows" in results[check]["message"]
 
 
+@pytest.mark.slow  # the cap's skip is the default run's; that a cap the plan fits in changes nothing, the slow run's
 def test_a_cap_the_plan_fits_in_changes_no_verdict(pytester: pytest.Pytester) -> None:
     results = run_suite(pytester, "--ddp-max-steps", "25")
     assert {check: entry["outcome"] for check, entry in results.items()} == dict.fromkeys(results, "passed")
     assert results["resume_fidelity"]["figures"]["final_step"] == 25
 
 
+@pytest.mark.slow  # plan_steps is counted in the default run (test_shared_fit.py); the checks' own counts here
 def test_the_steps_the_checks_train_do_not_grow_with_the_epoch(pytester: pytest.Pytester) -> None:
     """The torch reference at 100 and at 1,000 optimizer steps an epoch (800 and 8,000 samples at world size 2):
     every check observes as many steps at both, with the same verdicts; counted from the report's figures."""

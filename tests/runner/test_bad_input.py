@@ -162,6 +162,7 @@ def test_a_rank_without_torch_stops_the_session_in_one_line(pytester: pytest.Pyt
                            "broken; install it into the environment of "), line
 
 
+@pytest.mark.slow  # every default run's suite session requires numpy and passes: this is the plain tests' control
 def test_modules_tests_require_that_import_are_no_obstacle(pytester: pytest.Pytester) -> None:
     ran = pytester.path / "ran"
     pytester.makepyfile(test_ranks=RANKS_IMPORT.format(requires=("colorsys",), module="colorsys", ran=str(ran)))
