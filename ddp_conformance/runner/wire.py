@@ -35,6 +35,9 @@ EndKind = Literal["crashed", "hung"]
 # the parent asks a live rank for its Python stacks with this signal; the rank's faulthandler writes
 # them to the stack file the pool gave it (DDP_CONFORMANCE_STACK_FILE)
 STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
+# where rank 0 writes what its test says it is doing (`DdpContext.status`): a file, not the result
+# channel, which carries one answer per test; the parent reads it while it waits and prints it
+STATUS_FILE_ENV: Final = "DDP_CONFORMANCE_STATUS_FILE"
 # what a rank imports late and dearly (torch._dynamo: ~2.4 s of CPU, at its first optimizer or DDP).
 # Once a rank says it has it, the zygote imports it while idle, so that ranks forked later start
 # with it; a session whose tests never need it never pays for it (most of this project's own)

@@ -294,7 +294,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     with ctx.training(steps):
         thread.start()
         try:
-            progress = _watch(ctx, observer, thread, steps)
+            progress = _watch(ctx, observer, thread, steps, label)
         except BaseException:
             kept.forget()  # a hang (the fit may still run) or a peer's error: the process is not a fresh one's
             raise
@@ -400,7 +400,8 @@ def _children(pid: int, tid: str) -> list[int]:
         return []  # gone, or a kernel without the children file
 
 
-def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thread, steps: int) -> list[Progress]:
+def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thread, steps: int,
+           label: str = "") -> list[Progress]:
     __tracebackhide__ = hide_on_verdict
     seen: list[int] = []
     last_change = time.monotonic()
@@ -412,6 +413,9 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         # (nonfinite_loss's `_every_rank_raised`) would wait for an end they never see
         ended = not thread.is_alive()
         observer.flush()
+        if label and ctx.rank == 0:  # on the terminal once the fit runs long (`ddp.status`, rate-limited there)
+            done = (observer.progress.last or {}).get("global_step", 0)
+            ctx.ddp.status(f"{ctx.check_id}: fit '{label}', step {done} of {steps}")
         progress = read_all(observer.path.parent, ctx.world_size)
         if ended and (observer.progress.state == "error" or all(p is not None and p.stopped for p in progress)):
             # a fit that raised is reported with its own error at once; the ranks it leaves waiting

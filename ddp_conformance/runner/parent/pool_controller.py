@@ -22,6 +22,7 @@ import pytest
 
 from ..controller import DdpTest, RunnerSettings, skip_at_item
 from ..wire import FAILED, RANK_IMPORTS, SKIPPED, XFAILED, DdpPlan
+from . import status_line
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
 from .supervisor import PoolStartError, RankPool
 from .task_builder import UnpicklableFixture, make_task
@@ -294,8 +295,9 @@ class PoolController:
         except PoolStartError as exc:
             verdict = Verdict(FAILED, headline=str(exc).splitlines()[0], body="\n".join(str(exc).splitlines()[1:]))
             return JudgedRun(verdict, "", notes)
+        progress = status_line.for_item(item, pool.status_path) if pool.status_path else None
         try:
-            run = pool.run(task, timeout)
+            run = pool.run(task, timeout, progress.poll if progress else None)
         except BaseException:
             self.discard(plan.world_size, plan.backend)  # interrupted mid-test: the group is unknown
             raise

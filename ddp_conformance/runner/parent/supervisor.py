@@ -19,11 +19,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from ..wire import FAILED, STACK_DUMP_SIGNAL, PoolRun, RankEnd, RankReply, Stop, Task, encode, receive, send
+from ..wire import (
+    FAILED,
+    STACK_DUMP_SIGNAL,
+    STATUS_FILE_ENV,
+    PoolRun,
+    RankEnd,
+    RankReply,
+    Stop,
+    Task,
+    encode,
+    receive,
+    send,
+)
 from .handshake import DiedWhileStarting, Handshake, StartTimeout
 from .process import ProcessHandle, RankProcess, catches_signal
 from .zygote import Zygote
@@ -187,6 +199,7 @@ class RankPool:
             DDP_CONFORMANCE_PG_TIMEOUT=str(self.group_timeout),
         )
         env.pop("TORCHELASTIC_RUN_ID", None)  # ranks are ours, not an elastic agent's
+        env[STATUS_FILE_ENV] = str(self.status_path) if rank == 0 and self.status_path else ""  # rank 0 speaks
         if self.rank_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.rank_threads)
         if self.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
@@ -230,11 +243,19 @@ class RankPool:
         return "\n".join(parts)
 
     # -- run -----------------------------------------------------------------------------------
-    def run(self, task: Task, timeout: float) -> PoolRun:
-        """Send one task to every rank and collect one answer (or one end) from each."""
+    @property
+    def status_path(self) -> Path | None:
+        """Where rank 0 says what its test is doing (`DdpContext.status`); gone with the pool's directory."""
+        return self.workdir / "status" if self.workdir else None
+
+    def run(self, task: Task, timeout: float, waiting: Callable[[], None] | None = None) -> PoolRun:
+        """Send one task to every rank and collect one answer (or one end) from each; `waiting()` is
+        called at every wake-up while they run (at least 5 times a second)."""
         deadline = time.monotonic() + timeout
         run = PoolRun()
         payload = encode(task)  # once for all ranks
+        if self.status_path is not None:
+            self.status_path.unlink(missing_ok=True)  # the previous test's last words
         for proc in self.ranks:
             proc.log_offset = proc.log_size()
         for proc in self.ranks:
@@ -251,6 +272,8 @@ class RankPool:
                 self._collect_stuck(run, pending, timeout, first_failure is not None)
                 break
             readable, ended = watch.wait(min(limit - now, 0.2))
+            if waiting is not None:
+                waiting()
             for rank, proc in list(pending.items()):
                 if rank in readable:
                     try:

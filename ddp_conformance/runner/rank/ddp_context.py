@@ -7,10 +7,20 @@ pytest itself, which stays free of torch for sessions that never run a distribut
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..wire import STATUS_FILE_ENV
+
+# a test may call `status` at every step of a fit (thousands a second): it writes at most this often,
+# a few times a second, far more often than the parent shows a line (`parent.status_line`)
+STATUS_WRITES_APART_SECONDS = 0.25
+STATUS_MAX_CHARS = 300  # one terminal line's worth; the parent shows the first line of it
 
 
 @dataclass
@@ -28,11 +38,32 @@ class DdpContext:
     device_name: str
     figures: dict[str, Any] = field(default_factory=dict)
     unusable_group: str = ""
+    # where `status` writes: set on rank 0 of a pool only (the parent shows one rank's words); "" on the
+    # other ranks and under a launcher, where no parent reads it
+    status_file: str = field(default="", repr=False)
+    _status_at: float = field(default=-math.inf, init=False, repr=False, compare=False)
 
     def mark_group_unusable(self, reason: str) -> None:
         """Tell the harness this group must not serve another test (e.g. a thread of the test is still
         blocked in a collective); the pool is rebuilt after the test."""
         self.unusable_group = reason
+
+    def status(self, text: str) -> None:
+        """Say what the test is doing now ("fit 'uninterrupted', step 120 of 7501"): once a test has run
+        for a while, the parent shows rank 0's latest words on the terminal. Cheap enough to call at
+        every step: a call within STATUS_WRITES_APART_SECONDS of the last write is dropped. A no-op on
+        other ranks and where no pool runs the test."""
+        if not self.status_file:
+            return
+        now = time.monotonic()
+        if now - self._status_at < STATUS_WRITES_APART_SECONDS:
+            return
+        self._status_at = now
+        tmp = f"{self.status_file}.tmp"
+        with contextlib.suppress(OSError):  # the pool's directory is gone: the pool is going away
+            with open(tmp, "w", encoding="utf-8", errors="replace") as file:
+                file.write(str(text)[:STATUS_MAX_CHARS])
+            os.replace(tmp, self.status_file)  # the parent never reads half a line
 
     def __repr__(self) -> str:
         return f"DdpContext(rank={self.rank}/{self.world_size}, {self.backend}, {self.device_name})"
@@ -79,4 +110,5 @@ def _identity() -> tuple[int, int, int, str, str]:
 def context_from_env() -> DdpContext:
     """A fresh context for one test (its figures start empty)."""
     rank, local_rank, world_size, backend, device = _identity()
-    return DdpContext(rank=rank, local_rank=local_rank, world_size=world_size, backend=backend, device_name=device)
+    return DdpContext(rank=rank, local_rank=local_rank, world_size=world_size, backend=backend, device_name=device,
+                      status_file=os.environ.get(STATUS_FILE_ENV, ""))
