@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from .. import plan
 from ..adapter import FitObserver, StepInfo, TrainState
 from ..resumable import capture_rng_state, restore_rng_state, seed_all
 from ..runner.parent.verdict import ranks_label
@@ -149,9 +150,9 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         "checkpoint_cadence": observed.cadence or "any step",
         "comparison": "bitwise" if exact else f"max |delta| <= {rtol:g} x max |value| per tensor"}
     ctx.figures.update(figures)
-    if not shared_fit.whole_epochs(epoch):
+    if not plan.whole_epochs(epoch):
         ctx.note(f"an epoch of the training loader is {epoch} optimizer steps, longer than the "
-                 f"{shared_fit.LONG_EPOCH_STEPS} the suite trains whole: the resume is judged from a checkpoint at "
+                 f"{plan.LONG_EPOCH_STEPS} the suite trains whole: the resume is judged from a checkpoint at "
                  f"step {k} to step {n}" + (", within the first epoch: an epoch counter or a sampler's epoch lost on "
                  "resume is not judged" if n <= epoch else ""))
     full = _uninterrupted(ctx, observed, figures)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 CONFIG = Path(__file__).with_name("suite.yaml")
+PLANNED_SKIPS = "  --ddp-max-steps 24: sampler_disjointness, resume_fidelity skip where a fit needs more"
 
 
 def run_suite(pytester: pytest.Pytester, *args: str, config: Path = CONFIG) -> dict[str, dict]:
@@ -18,6 +19,7 @@ def run_suite(pytester: pytest.Pytester, *args: str, config: Path = CONFIG) -> d
         "--ddp-checks", "rank_participation,sampler_disjointness,resume_fidelity", f"--ddp-config={config}",
         "--ddp-timeout", "60", f"--ddp-report={report}", "-rs", *args)
     assert result.ret == 0, result.stdout.str()
+    pytester.path.joinpath("stdout.txt").write_text(result.stdout.str())
     return {entry["check"]: entry for entry in json.loads(report.read_text())["results"]}
 
 
@@ -27,6 +29,7 @@ def test_a_check_whose_fit_needs_more_steps_than_the_cap_skips_naming_them(pytes
     pytester.makeini("[pytest]\nddp_max_steps = 24\n")
     results = run_suite(pytester)
     assert results["rank_participation"]["outcome"] == "passed"
+    assert PLANNED_SKIPS in pytester.path.joinpath("stdout.txt").read_text()  # said in the plan, before the fits
     for check in ("sampler_disjointness", "resume_fidelity"):
         assert results[check]["outcome"] == "skipped"
         assert results[check]["message"].startswith(

@@ -37,6 +37,7 @@ import pytest
 
 from ddp_conformance.checks import CHECK_IDS, DEFAULT_CHECKS
 from ddp_conformance.report import schema
+from tests.checks.test_plan import assert_as_planned
 from tests.checks.test_report import assert_fits_and_nothing_is_cut
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,6 +165,7 @@ def run_nested(workdir: Path, pairs: list[tuple[str, str]], config: Path = CONFI
     by_trainer: dict[str, dict[str, dict[str, Any]]] = {}
     for result in doc["results"]:
         by_trainer.setdefault(result["spec"], {})[result["check"]] = result
+    assert_as_planned(by_trainer)  # every check trained what the printed plan says it trains
     return {"proc": proc, "doc": doc, "results": by_trainer, "junit": junit.read_text()}
 
 

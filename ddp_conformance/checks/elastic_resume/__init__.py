@@ -6,8 +6,8 @@ whose adapter declares `elastic = True` (it keeps the global batch fixed and res
 skips, saying what the guides say.
 
 Runs. At the check's world size W, the dropout-free fit from scratch to n steps, writing its checkpoint at k
-(`shared_fit.plan_steps`: k mid-way through the second epoch, n one epoch past it and more); a trainer that may
-write again at 2k (`checkpoints_once` False) writes it in a fit of its own to k. Then rank 0 starts, one after the
+(`ddp_conformance.plan.plan_steps`: k mid-way through the second epoch, n one epoch past it and more); a trainer that
+may write again at 2k (`checkpoints_once` False) writes it in a fit of its own to k. Then rank 0 starts, one after the
 other, a group of W/2 ranks (where W > 1) and one of 2W on this host (`resized_groups.py`, through
 torch.distributed.elastic), each rank of which resumes a fresh adapter from that checkpoint to n under a recorder
 (`resized_rank.py`). Every fit records the dataset indices each micro-batch trained (the adapter's `batch_indices`
@@ -70,7 +70,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     _applies(ctx, adapter)
     probe = shared_fit.probe(ctx)
     epoch = shared_fit.epoch_length(ctx, probe)
-    k, n = shared_fit.plan_steps(epoch, getattr(adapter, "checkpoint_every", None))
+    k, n = shared_fit.planned_horizon(ctx, epoch, getattr(adapter, "checkpoint_every", None))
     state, record, checkpoint = _fit_here(ctx, k, n, bool(getattr(adapter, "checkpoints_once", False)))
     gathered = _every_rank_draws(record)
     compare_final = _final_states_tell(ctx, record)

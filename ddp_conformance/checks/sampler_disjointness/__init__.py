@@ -4,7 +4,7 @@ The indices come from the fit itself (`observe.FitRecorder` records what each ra
 loader drew), never from a restatement: a loop that forgets `set_epoch` fails here even when the
 adapter's `make_loader` calls it. The fit runs long enough to finish three epochs: a one-step probe
 fit first measures the training loader's length and the micro-batches per optimizer step
-(`progress.epoch_steps`). An epoch longer than `shared_fit.LONG_EPOCH_STEPS` is not trained whole: the
+(`progress.epoch_steps`). An epoch longer than `plan.LONG_EPOCH_STEPS` is not trained whole: the
 steps the fit trains are judged as a started epoch (no overlap), and the note says what is left.
 Both fits are the ones resume_fidelity judges too, run once for both (`support/shared_fit.py`). Where
 the adapter also provides `make_loader`/`batch_indices`, they are cross-checked against the fit
@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from ... import plan
 from ...adapter import NotProvided
 from ...trainers.spec import LIGHTNING, SCRIPT
 from ..support import shared_fit
@@ -38,7 +39,7 @@ NO_ADAPTER_KINDS = (LIGHTNING, SCRIPT)
 #: the epochs judged. Three, not two: a loop that rebuilds its loader later in the run (a curriculum's
 #: second stage, progressive resizing) or tells the sampler the epoch only some of the time
 #: (`set_epoch(epoch // 2)`) is sound in epochs 0 and 1
-EPOCHS = tuple(range(shared_fit.WHOLE_EPOCHS))
+EPOCHS = tuple(range(plan.WHOLE_EPOCHS))
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     passes = observed.record.training_passes()
     loader_schemes.read_through_wrappers(ctx, passes)
     started = min(all_gather(len(passes)))
-    if not shared_fit.whole_epochs(epoch):
+    if not plan.whole_epochs(epoch):
         return _judge_first_steps(ctx, passes[:started], epoch, steps)
     if started < 3:
         pytest.skip(f"fit({steps}) did not finish 2 epochs of its training loader (it started {len(passes)} passes "
@@ -90,7 +91,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _judge_first_steps(ctx: CheckContext, passes: list[Any], epoch: int, steps: int) -> dict[str, Any]:
-    """An epoch longer than the shared fit trains whole (`shared_fit.LONG_EPOCH_STEPS`): what the ranks drew
+    """An epoch longer than the shared fit trains whole (`plan.LONG_EPOCH_STEPS`): what the ranks drew
     in the steps it trained must not overlap; coverage and a new order each epoch are left unjudged, and the
     note says so, with what would judge them."""
     __tracebackhide__ = hide_on_verdict
@@ -98,7 +99,7 @@ def _judge_first_steps(ctx: CheckContext, passes: list[Any], epoch: int, steps: 
                                "scheme": "the first steps of an epoch"}
     _judge_started(ctx, passes, 0, figures)
     ctx.note(f"an epoch of the training loader is {epoch} optimizer steps, longer than the "
-             f"{shared_fit.LONG_EPOCH_STEPS} the suite trains whole: the ranks' samples were judged disjoint over the "
+             f"{plan.LONG_EPOCH_STEPS} the suite trains whole: the ranks' samples were judged disjoint over the "
              f"{steps} steps the shared fit trained; that they cover the dataset and are reshuffled each epoch is not "
              "judged (a SPEC or config with a smaller training set would have it judged)")
     figures["summary"] = f"disjoint over {steps} of {epoch} steps"

@@ -262,6 +262,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     """
     __tracebackhide__ = hide_on_verdict
     ctx.within_budget(label, steps)
+    ctx.figures.setdefault("fits", {})[label] = steps  # what the check trained, held to its plan (`plan.py`)
     directory = ctx.workdir / "progress" / label
     directory.mkdir(parents=True, exist_ok=True)
     observer = ProgressObserver(directory / f"rank{ctx.rank}.json", ctx.rank, inner)

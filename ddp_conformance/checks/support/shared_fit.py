@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from ...adapter import NotProvided, TrainerAdapter, TrainState
 from ...config import RunConfig
+from ...plan import STEADY_STEPS, plan_steps
 from . import lr_trail
 from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
@@ -48,16 +49,6 @@ from .parting import STEPS as PARTING_STEPS
 from .progress import Progress, epoch_steps, guarded_fit
 from .vacuity import TrainingEvidence
 
-#: whole epochs of the training loader sampler_disjointness judges (epochs 0, 1 and 2)
-WHOLE_EPOCHS = 3
-#: the longest epoch, in optimizer steps, the shared fit trains whole (three of them and a step). A real
-#: epoch is hundreds to thousands of steps: past this, what the suite trains stops following the epoch,
-#: and the checks judge the first steps of it (`plan_steps`), saying what that leaves unjudged
-LONG_EPOCH_STEPS = 24
-#: optimizer steps of the dropout-free fit, which is rank_participation's fit too where the config has no
-#: dropout: DDP buckets by bucket_cap_mb from the second iteration, and with static_graph relies on the first
-#: iteration's graph from the second on
-STEADY_STEPS = 3
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
 FORCED_DROPOUT = 0.1
 #: what each check that asked for evidence says it did, under its figures' "shared_fits"
@@ -139,44 +130,6 @@ def epoch_length(ctx: CheckContext, probe: FitRecord) -> int:
     return max(1, math.ceil(max(lengths) / ctx.config.trainer.accumulate_grad_batches))
 
 
-def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
-    """(k, n): resume_fidelity's checkpoint step and final step. The checkpoint lies in the *second*
-    epoch, so a resume that restores the position but not the epoch shows, and the resumed part
-    crosses an epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer
-    that checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that
-    checkpoints every N steps the first multiple of N inside the second epoch or after it. n is at
-    least k + E, and one step past sampler_disjointness's three whole epochs, so one fit serves both.
-
-    An epoch longer than LONG_EPOCH_STEPS (`whole_epochs` False) is not trained whole: k is the first
-    step the trainer can checkpoint at past LONG_EPOCH_STEPS (mid-way through the first epoch, without a
-    cadence) and n = k + LONG_EPOCH_STEPS, so that the steps do not grow with the epoch; a trainer that
-    checkpoints only at epoch ends still needs the first one (k = E)."""
-    if not whole_epochs(epoch):
-        return _plan_within_an_epoch(epoch, cadence)
-    if cadence == "epoch":
-        k = 2 * epoch
-    elif isinstance(cadence, int) and cadence > 0:
-        k = cadence * math.ceil((epoch + 1) / cadence)
-    else:
-        k = epoch + epoch // 2 + 1
-    return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), WHOLE_EPOCHS * epoch + 1)
-
-
-def whole_epochs(epoch: int) -> bool:
-    """Whether the shared fit trains whole epochs of `epoch` steps (`plan_steps`)."""
-    return epoch <= LONG_EPOCH_STEPS
-
-
-def _plan_within_an_epoch(epoch: int, cadence: int | str | None) -> tuple[int, int]:
-    if cadence == "epoch":
-        k = epoch
-    elif isinstance(cadence, int) and cadence > 0:
-        k = cadence * math.ceil((LONG_EPOCH_STEPS + 1) / cadence)
-    else:
-        k = LONG_EPOCH_STEPS + 1
-    return k, k + LONG_EPOCH_STEPS
-
-
 def probe(ctx: CheckContext) -> FitRecord:
     """The one-step probe fit's record (as `ctx.recordings["probe"]`), run here unless held."""
     config = fit_config(ctx)
@@ -220,7 +173,7 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     config = fit_config(ctx)
     adapter = ctx.factory()
     cadence = getattr(adapter, "checkpoint_every", None)
-    k, n = plan_steps(epoch, cadence)
+    k, n = planned_horizon(ctx, epoch, cadence)
     own_dir = ctx.workdir / "ckpt" / f"rank{ctx.rank}" if _checkpoints_on_the_way(adapter) else None
 
     def run() -> ObservedFit:
@@ -253,6 +206,14 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     held = held_or_run(ctx, "uninterrupted", evidence_key(ctx, config, "uninterrupted", epoch, cadence), run)
     ctx.recordings["uninterrupted"] = held.record
     return held
+
+
+def planned_horizon(ctx: CheckContext, epoch: int, cadence: int | str | None) -> tuple[int, int]:
+    """`plan_steps`' (k, n), under the check's figures' "plan" with the epoch they were planned from: what its
+    fits of k, n and n - k steps are held to (`ddp_conformance.plan`)."""
+    k, n = plan_steps(epoch, cadence)
+    ctx.figures["plan"] = {"epoch_steps": epoch, "k": k, "n": n}
+    return k, n
 
 
 def _adapter(ctx: CheckContext, config: RunConfig) -> TrainerAdapter:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ddp_conformance import plan
 from ddp_conformance.checks.support import kept, shared_fit
 from ddp_conformance.config import RunConfig
 from ddp_conformance.trainers.spec import TrainerSpec
@@ -148,11 +149,11 @@ def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_traine
     """Counted, not timed: past LONG_EPOCH_STEPS the plan trains at most a constant number of steps (a trainer
     that checkpoints only at epoch ends needs the first one), the checkpoint before the end, the resume at
     least LONG_EPOCH_STEPS long; up to it, three whole epochs and a step, the checkpoint in the second epoch."""
-    k, n = shared_fit.plan_steps(epoch, cadence)
-    long = shared_fit.LONG_EPOCH_STEPS
+    k, n = plan.plan_steps(epoch, cadence)
+    long = plan.LONG_EPOCH_STEPS
     assert 0 < k < n
-    if shared_fit.whole_epochs(epoch):
-        assert epoch <= long and n >= shared_fit.WHOLE_EPOCHS * epoch + 1 and epoch <= k and n - k >= epoch
+    if plan.whole_epochs(epoch):
+        assert epoch <= long and n >= plan.WHOLE_EPOCHS * epoch + 1 and epoch <= k and n - k >= epoch
         return
     assert n - k == long
     if cadence == "epoch":
@@ -165,6 +166,6 @@ def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_traine
 def test_the_longest_epoch_trained_whole_costs_what_any_longer_one_costs_at_most() -> None:
     """The step where the plan changes: an epoch of LONG_EPOCH_STEPS + 1 trains fewer steps than one of
     LONG_EPOCH_STEPS, so that the cost is bounded by the longest epoch trained whole."""
-    long = shared_fit.LONG_EPOCH_STEPS
-    assert shared_fit.plan_steps(long + 1, None)[1] <= shared_fit.plan_steps(long, None)[1]
-    assert shared_fit.plan_steps(long + 1, None) == shared_fit.plan_steps(100 * long, None)
+    long = plan.LONG_EPOCH_STEPS
+    assert plan.plan_steps(long + 1, None)[1] <= plan.plan_steps(long, None)[1]
+    assert plan.plan_steps(long + 1, None) == plan.plan_steps(100 * long, None)
