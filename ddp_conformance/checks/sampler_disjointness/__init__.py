@@ -97,6 +97,7 @@ def _judge_first_steps(ctx: CheckContext, passes: list[Any], epoch: int, steps: 
     __tracebackhide__ = hide_on_verdict
     figures: dict[str, Any] = {"epoch_steps": epoch, "judged_steps": steps, "indices_from": "the fit",
                                "scheme": "the first steps of an epoch"}
+    _universes(ctx, passes)  # ranks that each split the dataset their own way: named as such, as in whole epochs
     _judge_started(ctx, passes, 0, figures)
     ctx.note(f"an epoch of the training loader is {epoch} optimizer steps, longer than the "
              f"{plan.LONG_EPOCH_STEPS} the suite trains whole: the ranks' samples were judged disjoint over the "
@@ -110,12 +111,9 @@ def _within_the_universe(ctx: CheckContext, complete: list[Any], size: int) -> t
     """This rank's batches, and the dataset size, as the partition is judged: where the loaders are
     over Subsets (each rank's own shard, or one stage's part of the data), over the union of what the
     ranks' Subsets hold, relabelled 0..len-1: that union is what the ranks must cover between them."""
-    universes = all_gather(complete[0].universe)
+    universes = _universes(ctx, complete)
     if all(u is None for u in universes):
         return [p.batches for p in complete], size
-    split = per_rank_split(universes)
-    if split:
-        raise ctx.fail(split, subsets_per_rank=[None if u is None else len(u) for u in universes])
     batches = [p.base_batches() for p in complete]
     size = max(s for s in all_gather(complete[0].base_size or size) if s is not None)
     union = sorted(set().union(*(range(size) if u is None else u for u in universes)))
@@ -124,6 +122,16 @@ def _within_the_universe(ctx: CheckContext, complete: list[Any], size: int) -> t
     ctx.note(f"the loaders are over Subsets: the partition is judged over the {len(union)} samples of the "
              f"underlying dataset ({size}) that the ranks' Subsets hold")
     return relabel, len(union)
+
+
+def _universes(ctx: CheckContext, passes: list[Any]) -> list[Any]:
+    """Every rank's Subset indices of its first pass (None: no Subset), after failing where each rank's are its
+    own split of one dataset (collective)."""
+    universes = all_gather(passes[0].universe if passes else None)
+    split = per_rank_split(universes) if any(u is not None for u in universes) else ""
+    if split:
+        raise ctx.fail(split, subsets_per_rank=[None if u is None else len(u) for u in universes])
+    return universes
 
 
 def _alike_from_the_first(passes: list[Any]) -> int:
