@@ -6,11 +6,15 @@ above a verdict, and "training hangs: rank 0 stopped" for a rank whose fit raise
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp_conformance.checks import DEFAULT_CHECKS
+from ddp_conformance.checks.support import collectives
 from tests.helpers import failure_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,3 +144,47 @@ def test_a_trainer_whose_fit_hangs_is_reported_once_and_its_other_checks_skip(py
     assert len(skipped) == 1 and skipped[0].startswith(f"SKIPPED [{len(DEFAULT_CHECKS) - 1}]") and skipped[0].endswith(
         ": trainer stops_early.MyTrainer hangs (see test test_conformance[stops_early.MyTrainer-rank_participation]): "
         "this check's fit would wait in the same hang"), skipped
+
+
+RANK_0_EVALUATES = """
+    import torch.distributed as dist
+
+    from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+    class MyTrainer(TorchTrainer):
+        def optimizer_step(self):
+            super().optimizer_step()
+            if dist.get_rank() == 0 and self.global_step == 2:  # "only the main process evaluates"
+                self.evaluate()
+
+        def evaluate(self):
+            metrics = [None] * dist.get_world_size()
+            dist.all_gather_object(metrics, {"loss": self.losses[-1]})
+"""
+
+
+def test_a_hang_in_different_collectives_names_each_rank_s_collective_and_where_they_part(
+        pytester: pytest.Pytester) -> None:
+    """Rank 0 alone evaluates after step 2 with a collective; rank 1 goes on into step 3's backward. Both wait in a
+    collective, so the hang is told in the stall window (2 s at --ddp-timeout 20), from each rank's flight
+    recorder: rank 0 in the all_gather its evaluate called, rank 1 in DDP's gradient all-reduce, parted there."""
+    pytester.makepyfile(evaluates=RANK_0_EVALUATES)
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "evaluates.py:MyTrainer", "--ddp-timeout", "20",
+                                           "--ddp-checks", "rank_participation", f"--ddp-report={pytester.path}/r.json")
+    result.assert_outcomes(failed=1)
+    verdict = json.loads((pytester.path / "r.json").read_text())["results"][0]["message"]
+    if not collectives.TORCH_RECORDS:  # torch 2.4: where progress alone places the ranks, and why no more
+        assert verdict.startswith("training hangs: rank 0 stopped at micro-batch 1"), verdict
+        assert verdict.endswith(f". Collectives: none recorded: torch {torch.__version__} keeps no flight record of "
+                                "gloo's collectives (a newer torch names each rank's collective and where the ranks "
+                                "parted)"), verdict
+        return
+    assert verdict.startswith("training hangs: the ranks' collectives part: the ranks part at #"), verdict
+    rank0 = re.search(r"rank 0 all_gather #(\d+) of group (\S+) \(1; evaluates.py:\d+ \(evaluate\)\)", verdict)
+    rank1 = re.search(r"rank 1 DDP's gradient all-reduce #(\d+) of group (\S+) \(\d+; backward at torch_ref.py:\d+ "
+                      r"\(backward\)\)", verdict)
+    assert rank0 and rank1 and rank0.groups() == rank1.groups(), verdict  # the same slot of the same group
+    assert "Collectives: rank 0 waits in all_gather #" in verdict, verdict
+    assert "rank 1 waits in DDP's gradient all-reduce #" in verdict and "backward of micro-batch 2 at" in verdict
+    assert "no progress for 2 s" in verdict, verdict  # both blocked in a collective: one stall window, not four

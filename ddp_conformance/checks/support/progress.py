@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...adapter import FitObserver, StepInfo
 from ...runner.parent.process import cpu_seconds
 from ...runner.parent.verdict import ranks_label
-from . import kept
+from . import collectives, kept
 from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .observe import FitRecord, FitRecorder, ObservedState
 
@@ -61,6 +61,9 @@ BUSY_CPU_FRACTION = 0.3
 # rank answers with where it waits instead of being killed as stuck
 FAILED_PEER_STALL = 2.0
 BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
+# how long a hung rank waits for the others' collective records before its verdict: they reach the stall within
+# a poll or two of each other (they read the same files)
+RECORDS_SECONDS = 1.0
 
 
 @dataclass
@@ -206,11 +209,20 @@ def _where(p: Progress | None) -> str:
     return f"returned from its fit after {p.finished} micro-batch(es)"
 
 
-def stall_verdict(progress: list[Progress | None], idle: float, steps: int) -> str:
+def stall_verdict(progress: list[Progress | None], idle: float, steps: int, where: str = "", parting: str = "") -> str:
     # `idle` is the threshold that fired, not the time measured, so every rank words it alike
-    """The diagnosis of a hung fit: who stopped, where, and who is left waiting."""
+    """The diagnosis of a hung fit: who stopped, where, and who is left waiting; `where` and `parting` (from the
+    ranks' collective records, `collectives.py`) say in which collective each rank waits and where they parted."""
+    told = stall_words(progress, idle, steps, parting)
+    return told + (f". Collectives: {where}" if where else "") + (
+        f". First parting: {parting}" if parting and parting not in told else "")
+
+
+def stall_words(progress: list[Progress | None], idle: float, steps: int, parting: str) -> str:
     stopped = [p.rank for p in progress if p is not None and p.stopped]
     waiting = [r for r, p in enumerate(progress) if p is None or not p.stopped]
+    if not stopped and parting:  # every rank still in its fit, and their collectives tell where: not a guess by counts
+        return f"training hangs: the ranks' collectives part: {parting}; no progress for {fmt(idle)} s"
     if not stopped:
         counts = [p.finished if p is not None else -1 for p in progress]
         behind = [r for r, c in enumerate(counts) if c == min(counts)]
@@ -407,6 +419,8 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
     seen: list[int] = []
     last_change = time.monotonic()
     beat = RunnableBeat()
+    own_record = observer.path.with_name(f"rank{observer.progress.rank}.collectives.json")
+    recorded = False  # this rank's collectives dumped in the present stall
     while True:
         thread.join(POLL_SECONDS)
         # asked before the flush: a fit that ended after a flush and before this question would be
@@ -433,14 +447,38 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         now = time.monotonic()
         if seqs != seen or beat.busy(progress, now):
             seen, last_change = seqs, now
+            if recorded:  # the stall is over: its record would place the next one wrong
+                own_record.unlink(missing_ok=True)
+                recorded = False
         idle = now - last_change
         some_stopped = any(p is not None and p.stopped for p in progress)
         peer_failed = any(p is not None and p.state == "error" for p in progress)
+        if idle >= ctx.stall_after and not recorded:
+            recorded = collectives.dump(own_record)
+        # every rank blocked in a collective: a hang, told in the stall window and not four of them
+        blocked = recorded and all(collectives.waiting_in(c) for c in collectives.read_all(own_record.parent,
+                                                                                           ctx.world_size))
         threshold = (min(ctx.stall_after, FAILED_PEER_STALL) if peer_failed
-                     else ctx.stall_after if some_stopped else 4 * ctx.stall_after)
+                     else ctx.stall_after if some_stopped or blocked else 4 * ctx.stall_after)
         if idle >= threshold:
             ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
-            raise ctx.fail(stall_verdict(progress, threshold, steps), hung=True)
+            raise ctx.fail(stall_verdict(progress, threshold, steps, *_located(own_record, progress, ctx.world_size)),
+                           hung=True)
+
+
+def _located(own_record: Path, progress: list[Progress | None], world_size: int) -> tuple[str, str]:
+    """Where each rank waits and where their collectives parted (`collectives.py`); "" where torch recorded none.
+    Waits up to RECORDS_SECONDS for the ranks still watching to dump theirs."""
+    if not collectives.dump(own_record):
+        return collectives.unrecorded(), ""
+    deadline = time.monotonic() + RECORDS_SECONDS
+    dumps = collectives.read_all(own_record.parent, world_size)
+    while any(d is None and p is not None and p.state != "error" for d, p in zip(dumps, progress, strict=True)) \
+            and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+        dumps = collectives.read_all(own_record.parent, world_size)
+    micro = [p.begun - 1 if p is not None and p.begun else None for p in progress]
+    return collectives.where(dumps, micro), collectives.first_parting(dumps)
 
 
 def epoch_steps(ctx: CheckContext, probe: FitRecord, *, lengths_are_mine: bool = True) -> int | None:

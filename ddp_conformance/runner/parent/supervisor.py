@@ -44,6 +44,7 @@ from .zygote import Zygote
 # blocked in a collective the failed rank will never join). Long enough for a slow rank to finish its
 # own failure, short enough that a one-sided assert does not hold the session for the whole timeout.
 FAILURE_GRACE_SECONDS = 5.0
+COLLECTIVES_RECORDED = 1000  # per rank process, all its groups together: the last few steps of a large model's
 STOP_GRACE_SECONDS = 5.0
 UNCAUGHT_DUMP_SIGNAL = (f"(no stack: the rank had no handler for {STACK_DUMP_SIGNAL.name}, the stack-dump signal, "
                         "and was not sent it; a test can remove it, as Lightning's Trainer does at the end of every "
@@ -200,6 +201,9 @@ class RankPool:
         )
         env.pop("TORCHELASTIC_RUN_ID", None)  # ranks are ours, not an elastic agent's
         env[STATUS_FILE_ENV] = str(self.status_path) if rank == 0 and self.status_path else ""  # rank 0 speaks
+        # torch's flight recorder: each process group's recent collectives, with the Python stack that called
+        # them, which a hung test's ranks dump to say where each waits (gloo too, torch >= 2.7); a user's own wins
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(COLLECTIVES_RECORDED))
         if self.rank_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.rank_threads)
         if self.backend == "gloo" and "GLOO_SOCKET_IFNAME" not in env:
