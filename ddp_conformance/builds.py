@@ -8,7 +8,8 @@ sees every test's outcome), and the suite skips the trainer's other checks namin
 whose fit hangs (its ranks run different collectives: a rank-0-only evaluation, a `sync_dist` log on one
 rank) is the same: every later check's fit would wait in the same hang for its own stall window and
 report it again, so the first check whose fit hung (`CheckContext.fail(..., hung=True)`) reports it, and
-the others skip naming that test.
+the others skip naming that test. A rank that dies mid-fit (killed by the OOM killer, a crash in a
+kernel) is the same: the first check it fails names the rank and how it died, and the others skip.
 
 Remembered per (trainer SPEC, world size, config): a build that fails at one world size or with one
 config says nothing of another. Under pytest-xdist each worker remembers its own. No torch here.
@@ -50,6 +51,7 @@ class UnbuiltTrainers:
     def __init__(self) -> None:
         self.reported_by: dict[BuildKey, str] = {}
         self.hung_in: dict[BuildKey, str] = {}
+        self.died_in: dict[BuildKey, tuple[str, str]] = {}  # the test, and "rank 1 died (killed by SIGKILL (9))"
         self._keys = pytest.StashKey[BuildKey]()
 
     def watch(self, item: pytest.Item, key: BuildKey) -> None:
@@ -63,6 +65,9 @@ class UnbuiltTrainers:
         reporter = self.hung_in.get(key)
         if reporter is not None:
             pytest.skip(f"trainer {label} hangs (see test {reporter}): this check's fit would wait in the same hang")
+        if key in self.died_in:
+            reporter, how = self.died_in[key]
+            pytest.skip(f"trainer {label}'s {how} in test {reporter}: this check's fit would end the same way")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
@@ -73,6 +78,9 @@ class UnbuiltTrainers:
             self.reported_by[key] = item.name
         if key is not None and call.when == "call" and report.failed and hung(report) and key not in self.hung_in:
             self.hung_in[key] = item.name
+        died = getattr(call.excinfo.value, "rank_died", "") if call.excinfo is not None else ""
+        if key is not None and call.when == "call" and died and key not in self.died_in:
+            self.died_in[key] = (item.name, died)
         return report  # type: ignore[return-value]
 
 

@@ -86,6 +86,7 @@ class PlannedFit:
     shared: bool = False
     when: str = ""
     most: int = 1  # how many fits of this label the check may run (its variants)
+    needed: bool = True  # False: past --ddp-max-steps the check goes without it, saying so, instead of skipping
 
     def count(self, epoch: int, cadence: int | str | None) -> int:
         """Optimizer steps this fit trains for an epoch of `epoch` steps."""
@@ -114,7 +115,9 @@ REPEAT = PlannedFit("steady-repeat", STEADY_STEPS, when="where the fits compared
 #: every fit each check may run, shared ones included
 CHECK_FITS: dict[str, tuple[PlannedFit, ...]] = {
     "rank_participation": (replace(STEADY, when="a config without dropout"),
-                           PlannedFit("fit", STEADY_STEPS, when="a config with dropout")),
+                           PlannedFit("fit", STEADY_STEPS, when="a config with dropout"),
+                           PROBE, replace(UNINTERRUPTED, when="watched for hangs through an epoch end",
+                                          needed=False)),
     "sampler_disjointness": (PROBE, UNINTERRUPTED),
     "data_consistency": (PlannedFit("data", 1, when="a trainer that builds no dataset outside its fit"),),
     "gradient_equivalence": (STEADY, PlannedFit("script_step", 1, when="a script")),
@@ -152,10 +155,10 @@ def planned(check: str, label: str) -> PlannedFit | None:
 
 
 def most_steps(check: str, cadence: int | str | None = None) -> int | None:
-    """The most optimizer steps one fit of `check` trains, over every epoch length; None where that grows with
+    """The most optimizer steps one fit `check` needs trains, over every epoch length; None where that grows with
     the epoch."""
     longest = longest_planned_fit(cadence)
-    counts = [fit.steps if isinstance(fit.steps, int) else longest for fit in CHECK_FITS[check]]
+    counts = [fit.steps if isinstance(fit.steps, int) else longest for fit in CHECK_FITS[check] if fit.needed]
     return None if None in counts else max(counts)  # type: ignore[type-var]
 
 

@@ -27,13 +27,15 @@ from typing import Any
 
 import pytest
 
+from .. import plan
 from ..adapter import TrainState
 from ..runner.parent.verdict import ranks_label
 from .support import shared_fit
+from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .support.model_state import OUTSIDE, drifted, trained
 from .support.observe import FitRecord
-from .support.progress import Progress, guarded_fit
+from .support.progress import PeerFitFailed, Progress, guarded_fit
 from .support.replica_watch import ReplicaTrail, frozen_changers, modes_apart
 from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
 
@@ -110,8 +112,42 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         if figures["losses_differ_between_ranks"] is False:
             ctx.note("every rank saw the same losses (the same data?): identical parameters do not prove the "
                      "all-reduce here; see sampler_disjointness")
+    _through_an_epoch_end(ctx, figures)
     figures["summary"] = f"{micro[0]} fwd/bwd/rank, in sync"
     return figures
+
+
+def _through_an_epoch_end(ctx: CheckContext, figures: dict[str, Any]) -> None:
+    """Watch the long fit sampler_disjointness and resume_fidelity share (`shared_fit.observed_fit`: past an epoch
+    end and resume_fidelity's checkpoint, where the epoch is one the suite trains whole), run here first, so that a
+    rank that parts from the others there (an evaluation, a log or a save on one rank alone, an early stop) hangs in
+    this check, the one that owns hangs, and every later check of the trainer skips naming it (`builds.py`). Its
+    other failures are the checks' that read the fit: they run it again and say so."""
+    __tracebackhide__ = hide_on_verdict
+    probe = shared_fit.probe(ctx)
+    passes = probe.training_passes()
+    lengths = all_gather(passes[0].length if passes else None)
+    if None in lengths or len(set(lengths)) > 1:
+        ctx.note("the fit was watched for hangs over its first steps only: "
+                 + ("its training loader has no length, so it has no epoch end to reach" if None in lengths else
+                    f"the ranks' training loaders differ in length ({lengths} batches: sampler_disjointness judges "
+                    "it)"))
+        return
+    epoch = shared_fit.epoch_length(ctx, probe)
+    try:
+        observed = shared_fit.observed_fit(ctx, epoch)
+    except pytest.skip.Exception as exc:  # --ddp-max-steps: the judgement above stands, without the watch
+        ctx.note(f"the fit was watched for hangs over its first steps only: {exc.msg}")
+        return
+    except (AdapterError, PeerFitFailed) as exc:
+        ctx.note(f"the long fit raised ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): the checks "
+                 "that read it judge it")
+        return
+    figures["watched_steps"] = observed.horizon
+    if not plan.whole_epochs(epoch):
+        ctx.note(f"an epoch is {epoch} optimizer steps, longer than the {plan.LONG_EPOCH_STEPS} the suite trains "
+                 f"whole: the fit watched for hangs ends at step {observed.horizon}, inside the first epoch, so a hang "
+                 "at an epoch end is not watched for")
 
 
 def _silent_verdict(silent: list[int], micro: int) -> str:

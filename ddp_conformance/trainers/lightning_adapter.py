@@ -378,10 +378,11 @@ class ReadLoader(pl.Callback):
 
 
 def _reads_without_training(module: pl.LightningModule) -> None:
-    """Have the probe's fit end each epoch at its first batch, before the training step: the probe reads
-    the loader (`ReadLoader`, a callback, runs first), so a step would be paid for nothing (0.35 s a
-    step for Lightning's demo transformer). -1 from the module's `on_train_batch_start` is Lightning's
-    documented way to skip the rest of an epoch; the module's own hook still runs first."""
+    """Have the probe's fit end each epoch at its first batch, before the training step, and skip the
+    module's hooks after training: the probe reads the loader (`ReadLoader`, a callback, runs first), so
+    a step would be paid for nothing (0.35 s a step for Lightning's demo transformer). -1 from the
+    module's `on_train_batch_start` is Lightning's documented way to skip the rest of an epoch; the
+    module's own hook still runs first."""
     own = module.on_train_batch_start
 
     def read_only(batch: Any, batch_idx: int) -> int:
@@ -389,6 +390,14 @@ def _reads_without_training(module: pl.LightningModule) -> None:
         return -1
 
     module.on_train_batch_start = read_only  # type: ignore[method-assign]
+    # what follows an epoch's or the fit's training is the module's work on steps the probe never trained:
+    # a collective there (a gather on the global zero alone) would hang the probe, which no fit watch guards
+    for hook in ("on_train_epoch_end", "on_train_end", "on_fit_end"):
+        setattr(module, hook, _nothing)
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @dataclass

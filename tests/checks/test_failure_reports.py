@@ -188,3 +188,50 @@ def test_a_hang_in_different_collectives_names_each_rank_s_collective_and_where_
     assert "Collectives: rank 0 waits in all_gather #" in verdict, verdict
     assert "rank 1 waits in DDP's gradient all-reduce #" in verdict and "backward of micro-batch 2 at" in verdict
     assert "no progress for 2 s" in verdict, verdict  # both blocked in a collective: one stall window, not four
+
+
+RANK_1_LEAVES = """
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from ddp_conformance.trainers.torch_ref import TorchTrainer
+
+
+    class Killed(TorchTrainer):
+        def optimizer_step(self):
+            super().optimizer_step()
+            if dist.get_rank() == 1 and self.global_step == 2:  # the OOM killer takes rank 1
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+    class Exits(TorchTrainer):
+        def optimizer_step(self):
+            super().optimizer_step()
+            if dist.get_rank() == 1 and self.global_step == 2:
+                raise SystemExit(3)
+"""
+
+
+def test_a_rank_that_is_killed_or_exits_mid_fit_fails_one_check_and_the_others_skip(pytester: pytest.Pytester) -> None:
+    """Each named with its cause, once: rank 1 killed by SIGKILL (the rank process ends, the pool is rebuilt) or
+    leaving with SystemExit (rank 0 left waiting for it); every later check of that trainer skips naming the test."""
+    pytester.makepyfile(leaves=RANK_1_LEAVES)
+    checks = "rank_participation,sampler_disjointness,initial_sync"
+    result = pytester.runpytest_subprocess(*SUITE, "--ddp-trainer", "leaves.py:Killed", "--ddp-trainer",
+                                           "leaves.py:Exits", "--ddp-timeout", "20", "--ddp-checks", checks,
+                                           f"--ddp-report={pytester.path}/r.json")
+    result.assert_outcomes(failed=2, skipped=4)
+    results = {(r["trainer"], r["check"]): r for r in json.loads((pytester.path / "r.json").read_text())["results"]}
+    killed = results[("leaves.Killed", "rank_participation")]["message"]
+    assert "rank 1 died (killed by SIGKILL (9))" in killed, killed
+    exits = results[("leaves.Exits", "rank_participation")]["message"]
+    assert exits.startswith("rank 1 failed with SystemExit: 3 after 2 micro-batch(es)") and \
+        "rank 0 hangs waiting for it" in exits, exits
+    for check in ("sampler_disjointness", "initial_sync"):
+        assert results[("leaves.Killed", check)]["message"] == (
+            "trainer leaves.Killed's rank 1 died (killed by SIGKILL (9)) in test "
+            "test_conformance[leaves.Killed-rank_participation]: this check's fit would end the same way")
+        assert results[("leaves.Exits", check)]["message"].startswith("trainer leaves.Exits hangs (see test "
+                                                                       "test_conformance[leaves.Exits-rank_part")

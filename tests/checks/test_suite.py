@@ -1,7 +1,8 @@
 """The conformance suite on every mutant in fixtures/mutants/ and on both references, world size 2.
 
 A check that cannot fail is a defect: each mutant declares `BREAKS` (the checks it must fail),
-`DIAGNOSIS` (words its verdict must contain, so a failure names the bug) and `SKIPS` (checks that
+`DIAGNOSIS` (words its verdict must contain, so a failure names the bug; `DIAGNOSIS_RECORDED` adds the words a
+hang's verdict holds where torch records gloo's collectives) and `SKIPS` (checks that
 cannot judge it, with words their reason must contain); a control (`CONTROL`: correct in an unusual
 way) breaks nothing and must only be skipped where it says (the default run asks it the checks its
 `CONCERNS` names, the slow test the rest). The session's config (suite.yaml) turns
@@ -36,6 +37,7 @@ from typing import Any
 import pytest
 
 from ddp_conformance.checks import CHECK_IDS, DEFAULT_CHECKS
+from ddp_conformance.checks.support import collectives
 from ddp_conformance.report import schema
 from tests.checks.test_plan import assert_as_planned
 from tests.checks.test_report import assert_fits_and_nothing_is_cut
@@ -232,6 +234,10 @@ def assert_as_declared(path: Path, results: dict[str, dict[str, Any]], on_gpu: b
         diagnosis.update(declared(path, "DIAGNOSIS_ON_CUDA", {}))
         diagnosis = {check: words for check, words in diagnosis.items() if check not in CPU_ONLY}
         skips = {check: words for check, words in skips.items() if check not in breaks}
+    if collectives.TORCH_RECORDS:  # a hang's verdict names each rank's collective where torch records gloo's
+        for check, words in declared(path, "DIAGNOSIS_RECORDED", {}).items():
+            diagnosis[check] = [*([diagnosis[check]] if isinstance(diagnosis.get(check), str)
+                                  else diagnosis.get(check, ())), *([words] if isinstance(words, str) else words)]
     outcomes = {check: r["outcome"] for check, r in results.items()}
     assert {c for c, o in outcomes.items() if o == "failed"} == set(breaks) & set(results), outcomes
     skipped = {c for c, r in results.items() if r["outcome"] == "skipped" and (c in skips or not not_applicable(c, r))}

@@ -221,7 +221,10 @@ def stall_verdict(progress: list[Progress | None], idle: float, steps: int, wher
 def stall_words(progress: list[Progress | None], idle: float, steps: int, parting: str) -> str:
     stopped = [p.rank for p in progress if p is not None and p.stopped]
     waiting = [r for r, p in enumerate(progress) if p is None or not p.stopped]
-    if not stopped and parting:  # every rank still in its fit, and their collectives tell where: not a guess by counts
+    # every rank still in its fit, or those that left it having trained every step asked: the ranks still in it ran
+    # a collective the others never join, which their records tell (not a guess by counts)
+    finished = all((p := progress[r]) is not None and p.state == "done" and p.finished >= steps for r in stopped)
+    if parting and (not stopped or finished):
         return f"training hangs: the ranks' collectives part: {parting}; no progress for {fmt(idle)} s"
     if not stopped:
         counts = [p.finished if p is not None else -1 for p in progress]

@@ -37,6 +37,7 @@ class Verdict:
     message: str = ""  # the first failing rank's one-line error, whole (the headline clips it)
     figures: dict[int, dict[str, Any]] = field(default_factory=dict)
     location: str = ""  # "path:line" in the user's code where the first failing rank's error was raised
+    died: str = ""  # "rank 1 died (killed by SIGKILL (9))": the ranks whose process ended mid-test, and how
 
     def render(self) -> str:
         return f"{self.headline}\n{self.body}".rstrip() + "\n"
@@ -223,7 +224,7 @@ def _failure(run: PoolRun, failed: dict[int, RankReply], world_size: int,
     exc_type, message = (failed[first].exc_type, failed[first].message) if failed else (None, "")
     return Verdict(FAILED, headline=headline, body="\n".join(sections), failing_ranks=failing,
                    figures=figures, exc_type=exc_type, message=message,
-                   location=failed[first].location if failed else "")
+                   location=failed[first].location if failed else "", died=causes[0] if crashed else "")
 
 
 _FRAME = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -300,6 +301,7 @@ class DistributedTestFailure(Exception):
     verdict: Verdict | None = None
     rank_exc_type: tuple[str, str] | None = None
     rank_message = ""
+    rank_died = ""  # `Verdict.died`
 
 
 def failure_exception(verdict: Verdict) -> DistributedTestFailure:
@@ -323,5 +325,5 @@ def failure_exception(verdict: Verdict) -> DistributedTestFailure:
     except Exception:
         failure = DistributedTestFailure(text.splitlines()[0] if text else "")
     failure.verdict_text, failure.verdict = text, verdict
-    failure.rank_exc_type, failure.rank_message = exc_type, verdict.message
+    failure.rank_exc_type, failure.rank_message, failure.rank_died = exc_type, verdict.message, verdict.died
     return failure
