@@ -64,6 +64,11 @@ BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall
 # how long a hung rank waits for the others' collective records before its verdict: they reach the stall within
 # a poll or two of each other (they read the same files)
 RECORDS_SECONDS = 1.0
+# seconds without progress, every rank blocked in a collective or out of its fit, before ranks whose collective
+# records part are a hang: no rank computes, and one runs a collective the others never join (a rank in no
+# collective that is still in its fit may be reading its data: it gets the stall window). Past the 2 s a
+# healthy rank needs to reach its peers' collective (`stall_seconds`)
+PARTED_STALL = 3.0
 
 
 @dataclass
@@ -456,12 +461,17 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         idle = now - last_change
         some_stopped = any(p is not None and p.stopped for p in progress)
         peer_failed = any(p is not None and p.state == "error" for p in progress)
-        if idle >= ctx.stall_after and not recorded:
+        if idle >= min(ctx.stall_after, PARTED_STALL) and not recorded:
             recorded = collectives.dump(own_record)
-        # every rank blocked in a collective: a hang, told in the stall window and not four of them
-        blocked = recorded and all(collectives.waiting_in(c) for c in collectives.read_all(own_record.parent,
-                                                                                           ctx.world_size))
+        records = collectives.read_all(own_record.parent, ctx.world_size) if recorded else []
+        # every rank blocked in a collective: a hang, told in the stall window and not four of them; and where
+        # their records part (a collective some rank runs that the others never join), in PARTED_STALL
+        blocked = bool(records) and all(collectives.waiting_in(c) for c in records)
+        parted = bool(records) and any(collectives.waiting_in(c) for c in records) and all(
+            collectives.waiting_in(c) or (p is not None and p.stopped) for c, p in zip(records, progress, strict=True)
+        ) and bool(collectives.first_parting(records))
         threshold = (min(ctx.stall_after, FAILED_PEER_STALL) if peer_failed
+                     else min(ctx.stall_after, PARTED_STALL) if parted
                      else ctx.stall_after if some_stopped or blocked else 4 * ctx.stall_after)
         if idle >= threshold:
             ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
