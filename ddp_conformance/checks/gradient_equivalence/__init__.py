@@ -186,8 +186,7 @@ def _single_process_gradient(ctx: CheckContext, single: Any, batch: GlobalBatch,
         assert mine is not None
         return mine
     grads, loss = mine if mine is not None else (None, None)
-    through = ctx.rank_ctx.device if ctx.rank_ctx.backend == "nccl" else "cpu"
-    return tensors_from_rank_zero(grads, through), from_rank_zero(loss)
+    return tensors_from_rank_zero(grads), from_rank_zero(loss)
 
 
 def _own_shard_backward(ctx: CheckContext, single: Any, batch: GlobalBatch) -> dict[str, Any]:

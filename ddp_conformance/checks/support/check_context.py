@@ -213,6 +213,23 @@ def shared_directory(mine: Path, rank: int) -> Path | None:
 _Value = TypeVar("_Value")
 
 
+#: [the default group it was made for, the checks' own group]: made again when the default group is (a rebuilt one)
+_OWN_GROUP: list[Any] = []
+
+
+def own_group() -> Any:
+    """The checks' own process group: gloo over every rank of the default group, made at the first collective of
+    the checks (collective: every rank reaches it at the same point). The trainer's collectives run in the default
+    group, the checks' here: a hung fit's record (`collectives.py`) then numbers the trainer's collectives alone,
+    and the checks never wait in a slot of the trainer's sequence."""
+    import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
+
+    world = dist.group.WORLD
+    if not _OWN_GROUP or _OWN_GROUP[0] is not world:
+        _OWN_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _OWN_GROUP[1]
+
+
 def all_gather(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (collective; pickled objects)."""
     import torch.distributed as dist  # deferred: torch is heavy, and the pytest process imports this module
@@ -220,7 +237,7 @@ def all_gather(value: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=own_group())
     return out
 
 
@@ -231,15 +248,15 @@ def from_rank_zero(value: _Value) -> _Value:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box: list[Any] = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=own_group())
     return box[0]
 
 
-def tensors_from_rank_zero(tensors: dict[str, Any] | None, device: str) -> dict[str, Any]:
+def tensors_from_rank_zero(tensors: dict[str, Any] | None) -> dict[str, Any]:
     """Rank 0's named tensors (None values kept) on every rank, as CPU tensors (collective; `tensors` is
-    read on rank 0 only). The names, shapes and dtypes go pickled; the values as tensors, through `device`
-    (NCCL's CUDA device, else "cpu"): pickled tensors were 0.7 s for 58 MB at world size 4, and torch 2.4
-    warned on unpickling them."""
+    read on rank 0 only). The names, shapes and dtypes go pickled; the values as CPU tensors, through the
+    checks' own gloo group: pickled tensors were 0.7 s for 58 MB at world size 4, and torch 2.4 warned on
+    unpickling them."""
     import torch  # deferred: torch is heavy, and the pytest process imports this module
     import torch.distributed as dist  # deferred: as torch
 
@@ -254,10 +271,10 @@ def tensors_from_rank_zero(tensors: dict[str, Any] | None, device: str) -> dict[
         if shape_dtype is None:
             out[name] = None
             continue
-        value = tensors[name].to(device) if zero and tensors is not None else torch.empty(
-            shape_dtype[0], dtype=shape_dtype[1], device=device)
-        dist.broadcast(value, src=0)
-        out[name] = value.cpu()
+        value = tensors[name].cpu() if zero and tensors is not None else torch.empty(shape_dtype[0],
+                                                                                     dtype=shape_dtype[1])
+        dist.broadcast(value, src=0, group=own_group())
+        out[name] = value
     return out
 
 
