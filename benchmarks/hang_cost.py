@@ -30,25 +30,16 @@ import suite_cost  # beside this file: its runs and machine line
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "fixtures" / "mutants"
 GOAL = 2.0
+SCRIPT, MODULE = "script_rank0_evaluates_at_epoch_end.py", "lightning_rank0_gathers_at_epoch_end.py"
 
 
-def healthy_script(workdir: Path) -> Path:
-    """The hanging script with its validation run on every rank: the same trainer, correct."""
-    source = (MUTANTS / "script_rank0_evaluates_at_epoch_end.py").read_text()
-    fixed = source.replace("        if rank == 0:\n            print(", "        if True:\n            print(")
-    assert fixed != source, "script_rank0_evaluates_at_epoch_end.py no longer validates under `if rank == 0:`"
-    path = workdir / "script_validates_everywhere.py"
-    path.write_text(fixed)
-    return path
-
-
-def healthy_module(workdir: Path) -> Path:
-    """The hanging LightningModule with its gather run on every rank."""
-    source = (MUTANTS / "lightning_rank0_gathers_at_epoch_end.py").read_text()
-    fixed = source.replace("if self.trainer.is_global_zero:", "if True:")
-    assert fixed != source, "lightning_rank0_gathers_at_epoch_end.py no longer gathers under is_global_zero"
-    path = workdir / "lightning_gathers_everywhere.py"
-    path.write_text(fixed)
+def healthy_copy(mutant: str, hang: str, everywhere: str, workdir: Path) -> Path:
+    """The hanging fixture with the code it runs on rank 0 alone (`hang`) run on every rank (`everywhere`): the same
+    trainer, correct."""
+    source = (MUTANTS / mutant).read_text()
+    assert hang in source, f"{mutant} no longer holds {hang!r}"
+    path = workdir / f"healthy_{mutant}"
+    path.write_text(source.replace(hang, everywhere))
     return path
 
 
@@ -56,9 +47,10 @@ def pairs(workdir: Path) -> list[tuple[str, str, str]]:
     """(shape, healthy SPEC, hanging SPEC)."""
     return [
         ("class", "torch", f"{MUTANTS / 'rank0_evaluates_at_epoch_end.py'}:Trainer"),
-        ("script", f"script:{healthy_script(workdir)} --steps {{steps}}",
-         f"script:{MUTANTS / 'script_rank0_evaluates_at_epoch_end.py'} --steps {{steps}}"),
-        ("module", f"lightning:{healthy_module(workdir)}:GathersOnRankZero",
+        ("script", f"script:{healthy_copy(SCRIPT, 'if rank == 0:', 'if True:', workdir)} --steps {{steps}}",
+         f"script:{MUTANTS / SCRIPT} --steps {{steps}}"),
+        ("module", f"lightning:{healthy_copy(MODULE, 'if self.trainer.is_global_zero:', 'if True:', workdir)}"
+                   ":GathersOnRankZero",
          f"lightning:{MUTANTS / 'lightning_rank0_gathers_at_epoch_end.py'}:GathersOnRankZero"),
     ]
 
