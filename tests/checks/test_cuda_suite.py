@@ -173,3 +173,30 @@ def test_every_other_check_judges_the_references_and_fixtures_on_the_gpu_as_on_t
         except AssertionError as error:
             disagreements[path.stem] = str(error)
     assert not disagreements, json.dumps(disagreements, indent=1)
+
+
+def test_a_rank_0_only_collective_at_an_epoch_end_is_named_under_the_gpu_backend(pytester: pytest.Pytester) -> None:
+    """The hang fixtures whose code follows the harness's device (a class trainer, a LightningModule; the torchrun
+    script's is gloo on the CPU by its own hand), on the GPUs (nccl where there is a GPU a rank): one failure,
+    rank_participation's, naming rank 0's gather and where the ranks parted; every other check skips naming it."""
+    from ddp_conformance.checks.support import collectives
+    from tests.checks.test_suite import MUTANTS, spec_of
+
+    fixtures = [path for path in MUTANTS
+                if path.name in ("rank0_evaluates_at_epoch_end.py", "lightning_rank0_gathers_at_epoch_end.py")]
+    assert len(fixtures) == 2
+    report = pytester.path / "report.json"
+    pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--pyargs", "ddp_conformance.suite", "--ddp-checks", "rank_participation,"
+        "sampler_disjointness,initial_sync", *[arg for path in fixtures for arg in ("--ddp-trainer", spec_of(path))],
+        "--ddp-device", "cuda", "--ddp-world-size", "2", "--ddp-timeout", "60", f"--ddp-report={report}")
+    by_case = {(r["spec"], r["check"]): r for r in json.loads(report.read_text())["results"]}
+    for path in fixtures:
+        failed = by_case[(spec_of(path), "rank_participation")]
+        assert failed["outcome"] == "failed" and failed["message"].startswith("training hangs"), failed
+        if collectives.TORCH_RECORDS:
+            assert "rank 0 all_gather #" in failed["message"] and "Collectives: rank 0 waits in all_gather #" in \
+                failed["message"], failed["message"]
+        for check in ("sampler_disjointness", "initial_sync"):
+            skipped = by_case[(spec_of(path), check)]
+            assert skipped["outcome"] == "skipped" and "hangs (see test" in skipped["message"], skipped
