@@ -11,17 +11,17 @@ For each trainer and world size, one after the other, in a fresh working directo
           start included (`plain_fit.py`), for n optimizer steps: n is the resume horizon, the
           `final_step` the suite's resume_fidelity reports for that trainer and world size (the
           longest fit the suite runs, which sampler_disjointness judges too; `plan_steps` in
-          checks/support/shared_fit.py: k = E + E//2 + 1 into the second epoch, n = max(k + E, 3E + 1),
+          plan.py: k = E + E//2 + 1 into the second epoch, n = max(k + E, 3E + 1),
           with E the optimizer steps of one epoch).
-It prints the headline ratio suite/plain per row against the target (<= 2.0x), and where the
-suite's time goes, from the report's figures (rank 0's): each check's `check_seconds`, its share of
-the time spent in checks and the steps it observed (`observed_steps`), and the session's time outside
-the checks (in pytest minus the summed check seconds), and the start of every verdict that is not a
-pass (a cheaper suite must keep each one). The plain fit's wall is split into start-up
-(interpreter, imports, rendezvous, teardown) and the fit itself (`fit_seconds`, timed around the
-trainer's fit call on rank 0). A check that ended in an error of its own reports no `check_seconds`;
-its test's call time (pytest's `--durations`) stands in, marked *. The last table splits the suite's wall outside the
-checks by where pytest spent it (`session_table`).
+It prints the headline ratio suite/plain per row against the target (<= 1.5x, the goal set for the demo
+transformer at world sizes 2 and 4), and where the suite's time goes, from the report's figures (rank 0's):
+each check's `check_seconds`, its share of the time spent in checks and the steps it observed
+(`observed_steps`), and the session's time outside the checks (in pytest minus the summed check seconds), and
+the start of every verdict that is not a pass (a cheaper suite must keep each one). The plain fit's wall is
+split into start-up (interpreter, imports, rendezvous, teardown) and the fit itself (`fit_seconds`, timed
+around the trainer's fit call on rank 0). A check that ended in an error of its own reports no
+`check_seconds`; its test's call time (pytest's `--durations`) stands in, marked *. The last table splits the
+suite's wall outside the checks by where pytest spent it (`session_table`).
 
 Trainers (default all three): the references `torch` and `lightning`, and Lightning's own demo
 `lightning:lightning.pytorch.demos.transformer:LightningTransformer` (58 MB of gradients, no glue),
@@ -58,7 +58,7 @@ from typing import Any
 DEMO = "lightning:lightning.pytorch.demos.transformer:LightningTransformer"
 DEFAULT_TRAINERS = ("torch", "lightning", DEMO)
 DEFAULT_WORLD_SIZES = (2, 4)
-TARGET_RATIO = 2.0
+TARGET_RATIO = 1.5
 PLAIN_FIT = Path(__file__).resolve().with_name("plain_fit.py")
 DEMO_LINES, DEMO_WORDS = 42, 34  # 42 x (34 words + <eos>) = 1470 tokens: 1470 // 35 - 1 = 41 samples
 INTERRUPT_GRACE_S = 30.0  # after SIGINT, for pytest to stop its rank pools before the group is killed
@@ -242,7 +242,7 @@ def _s(value: float | None) -> str:
 
 def summary_table(rows: list[Row]) -> list[str]:
     out = ["| trainer | ws | load | n | suite s | in pytest s | in checks s | outside checks s | plain s "
-           "| plain start-up s | plain fit s | suite/plain | target <= 2.0x |",
+           "| plain start-up s | plain fit s | suite/plain | target <= 1.5x |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         inside = row.in_pytest

@@ -84,6 +84,60 @@ def readable_bytes(tensor: torch.Tensor) -> bytes | memoryview:
         return f"unreadable {describe(tensor)}".encode()
 
 
+def bit_sums(tensors: list[torch.Tensor]) -> list[int | bytes | memoryview]:
+    """Each tensor's values as one number: a plain dense tensor's bits summed as integers modulo 2**64 on its own
+    device (a GPU's parameters are not copied to the host: one small tensor a device comes back), any other tensor's
+    as its values read on the CPU, and one without a single run of values (nested, meta) as its bytes
+    (`readable_bytes`). Integer addition is exact and associative, so the sum does not depend on how the reduction
+    is split; one changed element always moves it (by its change in bits, times 2**32 in a word's high half), while
+    two changes can cancel (one element a bit up, another the same bit down).
+
+    The sum runs over 8-byte words where the tensor's bytes are a whole number of them (a float32 tensor read as
+    int64 is reduced at twice the rate of one read element by element) and over elements otherwise: a choice made
+    by the dtype and number of elements, never by the layout, so that equal values give equal sums."""
+    sums: list[Any] = [_bit_sum_or_bytes(t) for t in tensors]
+    on_device: dict[torch.device, list[int]] = {}
+    for index, value in enumerate(sums):
+        if isinstance(value, torch.Tensor):
+            on_device.setdefault(value.device, []).append(index)
+    for indices in on_device.values():  # one transfer a device
+        for index, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist(), strict=True):
+            sums[index] = value
+    return sums
+
+
+_ELEMENT_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _plain_dense(t: torch.Tensor) -> bool:
+    """A dense strided tensor whose storage holds its values as they read: not sparse, quantized, nested, meta, a
+    conjugate or negative view, or a subclass that keeps its values elsewhere."""
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta and not t.is_quantized
+            and not t.is_nested and not t.is_conj() and not t.is_neg() and not _wraps(t))
+
+
+def _bit_sum_or_bytes(t: torch.Tensor) -> torch.Tensor | bytes | memoryview:
+    """A tensor that is not plain and dense is summed as its values on the CPU (`_dense_cpu`); one that cannot be
+    read is its description. Never raises: the recorder digests the parameters while the user's fit runs."""
+    try:
+        return _bit_sum(t if _plain_dense(t) else _dense_cpu(t))
+    except Exception:  # a nested tensor, a wrapper subclass, a meta tensor: no single run of values to sum
+        return readable_bytes(t)
+
+
+def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    if not flat.numel():
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    if flat.numel() * flat.element_size() % 8 == 0:
+        if flat.data_ptr() % 8:  # a view at an odd offset in its storage cannot be read as words
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        return flat.view(torch.int64).sum()
+    return flat.view(_ELEMENT_INTS[flat.element_size()]).sum(dtype=torch.int64)
+
+
 def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's values as a plain strided CPU tensor (not necessarily contiguous)."""
     t = tensor.detach()

@@ -82,6 +82,23 @@ def test_other_layouts_dtypes_and_classes_read_as_their_values(tensor: torch.Ten
                 "coo": lambda: tensor, "csr": lambda: tensor}.get(kind, lambda: special)()
     assert bytes(tensor_bytes(special)) == canonical(expected)
     item_digest(special, strict=True)  # reads without raising
+    assert step_digest([special]) == step_digest([expected.detach().clone(memory_format=torch.contiguous_format)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors(), st.integers(0, 63), st.data())
+def test_a_step_digest_tells_any_one_changed_element(tensor: torch.Tensor, bit: int, data: st.DataObject) -> None:
+    """Whatever the dtype, count, layout or alignment, one element with one bit flipped moves its bit sum: the
+    per-step digest (`bit_sums`) sums words and elements, which one change alone never cancels."""
+    changed = tensor.detach().clone(memory_format=torch.contiguous_format).reshape(-1)
+    if not changed.numel():
+        return
+    raw = changed.view(torch.uint8)
+    position = data.draw(st.integers(0, raw.numel() - 1))
+    raw[position] ^= 1 << (bit % 8 if tensor.dtype != torch.bool else 0)  # a bool's other bits are not values
+    offset = torch.empty(changed.numel() + 1, dtype=changed.dtype)[1:]  # a view at an odd offset in its storage
+    offset.copy_(changed)
+    assert step_digest([changed]) != step_digest([tensor]) and step_digest([offset]) == step_digest([changed])
 
 
 class _Tagged(torch.Tensor):
