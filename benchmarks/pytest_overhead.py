@@ -92,7 +92,7 @@ import time
 
 import torch  # imported before the session's clock starts, as by any distributed test module
 
-from ddp_conformance.runner.parent.process import cpu_seconds
+from ddp_conformance.runner.ranks import cpu_seconds
 
 DURATIONS = {}
 CLOCK = {}
@@ -197,9 +197,9 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
     """Seconds on a warm pool: the trivial test's median ("pool"), an empty test's ("empty"), one
     all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
     a floor under any per-test wall time)."""
-    from ddp_conformance.runner.parent.process import cpu_seconds
     from ddp_conformance.runner.parent.supervisor import RankPool
     from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import DdpPlan, Task
 
     module = directory / "pool_module.py"

@@ -1,4 +1,4 @@
-"""The one interface through which every conformance check talks to a trainer.
+"""Both processes: the one interface through which every conformance check talks to a trainer.
 
 A check never imports a trainer's code: it gets a `TrainerAdapter` from `--ddp-trainer SPEC`, calls
 `setup(config, ctx)` inside each rank, and then asks for exactly what it needs (a loader, the model,

@@ -1,4 +1,4 @@
-"""The run configuration: a Lightning-style YAML (the `trainer:` section DDP guides publish), validated
+"""Both processes: the run configuration: a Lightning-style YAML (the `trainer:` section DDP guides publish), validated
 into frozen dataclasses.
 
 Users already write `trainer: strategy: _target_: lightning.pytorch.strategies.DDPStrategy ...`; a

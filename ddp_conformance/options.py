@@ -1,4 +1,4 @@
-"""Command-line and ini options of the plugin, and their validation.
+"""Both processes: command-line and ini options of the plugin, and their validation.
 
 Every option has an ini mirror so a repo can pin its settings in one line of pytest config; the
 command line wins. Bad values become one-line usage errors here, before anything is spawned.

@@ -1,5 +1,5 @@
-"""What the conformance suite trains, told before it trains: each check's fits, their optimizer steps as a
-function of the trainer's epoch, and the fits checks share (run once per trainer, read by each).
+"""Both processes: what the conformance suite trains, told before it trains: each check's fits, their optimizer
+steps as a function of the trainer's epoch, and the fits checks share (run once per trainer, read by each).
 
 Torch-free, like `selection`: a pytest plugin of its own, it prints the plan once the suite's tests are
 collected, before the first fit (`pytest_collection_finish`): a summary, each check's fits under -v, nothing

@@ -1,4 +1,4 @@
-"""Which checks a session runs: every check's id, the default set, and `--ddp-checks`.
+"""Both processes: which checks a session runs: every check's id, the default set, and `--ddp-checks`.
 
 Apart from `ddp_conformance.checks` so that the plugin validates the option at configure time without
 importing the checks' package (its SPEC parsing brings asyncio into every pytest start).

@@ -100,11 +100,88 @@ def test_the_runner_imports_nothing_above_it() -> None:
     assert above == []
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def test_the_parent_and_rank_sides_import_nothing_of_each_other() -> None:
     crossing = sorted((module, name) for module, names in _graph().items() for name in names
                       for mine, theirs in ((".parent", ".rank"), (".rank", ".parent"))
-                      if module.startswith(RUNNER + mine) and name.startswith(RUNNER + theirs))
+                      if _within(module, RUNNER + mine) and _within(name, RUNNER + theirs))
     assert crossing == []
+
+
+def _run_on_import(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a file runs as it is imported: not those in a function (deferred, they run where the function
+    does) nor under `if TYPE_CHECKING:` (never run)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and getattr(child, "module", "") != "__future__":
+                found.append(child)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit(ast.Module(body=[other], type_ignores=[]))
+            elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def _top_level_graph() -> dict[str, set[str]]:
+    """What importing each module imports (`_run_on_import`), with the plugins it names in `pytest_plugins`, which
+    pytest imports with it."""
+    graph = {module: {name for node in _run_on_import(path) for name in _names(module, node)}
+             for module, path in FILES.items()}
+    for module, path in FILES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytest_plugins" for t in node.targets):
+                graph[module] |= {name for name in ast.literal_eval(node.value) if name in FILES}
+    return graph
+
+
+def _reached(graph: dict[str, set[str]], starts: set[str]) -> set[str]:
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for name in graph[todo.pop()] - seen:
+            seen.add(name)
+            todo.append(name)
+    return seen
+
+
+#: what a rank process runs: the rank side of the runner, a pytest process launched as a rank, the checks and the
+#: trainers they build
+RANK_SIDE = (f"{RUNNER}.rank", f"{RUNNER}.launched", "ddp_conformance.checks", "ddp_conformance.trainers")
+
+
+def _on_rank_side(module: str) -> bool:
+    return any(_within(module, side) for side in RANK_SIDE)
+
+
+def test_only_the_parent_side_and_the_plugin_import_the_parent_side() -> None:
+    outside = sorted((module, name) for module, names in _graph().items() for name in names
+                     if _within(name, f"{RUNNER}.parent") and not _within(module, f"{RUNNER}.parent")
+                     and module != "ddp_conformance.plugin")
+    assert outside == []
+
+
+def test_only_rank_side_code_imports_the_rank_side() -> None:
+    outside = sorted((module, name) for module, names in _graph().items() for name in names
+                     if _within(name, f"{RUNNER}.rank") and not _on_rank_side(module))
+    assert outside == []
+
+
+def test_a_module_outside_the_runner_that_both_processes_load_says_so() -> None:
+    """The pytest process loads the plugin and what it names; a rank loads its side of the runner, the checks and
+    the trainers. A module both load must work in either (no torch at its top, no rank state), so its docstring's
+    first line begins "Both processes"."""
+    graph = _top_level_graph()
+    both = _reached(graph, {"ddp_conformance.plugin"}) & _reached(graph, {m for m in FILES if _on_rank_side(m)})
+    silent = sorted(module for module in both if not _within(module, RUNNER) and not (
+        ast.get_docstring(ast.parse(FILES[module].read_text())) or "").startswith("Both processes"))
+    assert silent == []
 
 
 def test_an_import_in_a_function_says_why_it_is_deferred() -> None:

@@ -1,4 +1,4 @@
-"""The conformance checks, and the one entry point the suite calls inside every rank.
+"""Both processes: the conformance checks, and the one entry point the suite calls inside every rank.
 
 Each check is a module (or a package, when it has a second look of its own) with
 `run(ctx: CheckContext) -> dict`, written against the adapter only (`ddp_conformance.adapter`): it

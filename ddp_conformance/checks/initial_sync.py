@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.start_state import PARAMETER, StartState, TensorState, WrapTime

@@ -44,7 +44,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from ..adapter import TrainerBuildError
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
 from .support.observe import children, rebuilt, step_digest, unwrapped

@@ -29,7 +29,7 @@ import pytest
 
 from .. import plan
 from ..adapter import TrainState
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict

@@ -71,7 +71,7 @@ import torch
 from .. import plan
 from ..adapter import FitObserver, StepInfo, TrainState
 from ..resumable import capture_rng_state, restore_rng_state, seed_all
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support import lr_trail, shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict

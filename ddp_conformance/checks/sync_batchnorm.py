@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .support.norm_stats import NormLayer

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from ..adapter import TrainState
-from ..runner.parent.verdict import ranks_label
+from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict

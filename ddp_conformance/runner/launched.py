@@ -27,8 +27,8 @@ import pytest
 from _pytest._io import TerminalWriter
 
 from .controller import DdpTest, RunnerSettings, skip_at_item
-from .parent.verdict import ranks_label
 from .rank.ddp_context import DdpContext, rank_device
+from .ranks import ranks_label
 from .wire import FAILED
 
 AGREE_KEY = "ddp-conformance/outcome"

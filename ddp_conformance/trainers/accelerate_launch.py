@@ -1,4 +1,4 @@
-"""`accelerate launch [its flags] train.py ARGS` as a `script:` SPEC's command line.
+"""Both processes: `accelerate launch [its flags] train.py ARGS` as a `script:` SPEC's command line.
 
 `accelerate launch` starts the script with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), which the harness gives every rank as torchrun would, plus the

@@ -1,5 +1,5 @@
-"""Hugging Face accelerate's process-wide state: forgotten before and after each script run, and set aside while
-the trainer's code runs as in a world of one.
+"""Both processes: Hugging Face accelerate's process-wide state: forgotten before and after each script run, and set
+aside while the trainer's code runs as in a world of one.
 
 accelerate keeps what it learnt of the process group (`num_processes`, `process_index`, the distributed type)
 in singletons whose instances share one class-level dict (`PartialState`, `AcceleratorState`,

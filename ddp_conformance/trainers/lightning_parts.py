@@ -1,4 +1,4 @@
-"""What a `lightning:` SPEC names, shared by the SPEC module (which builds it in the pytest process and
+"""Both processes: what a `lightning:` SPEC names, shared by the SPEC module (which builds it in the pytest process and
 in every rank) and the Lightning adapter (which builds the run from it); imports no Lightning."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A training script checked by its command line: `script:` SPECs, no adapter code.
+"""Both processes: a training script checked by its command line: `script:` SPECs, no adapter code.
 
     script:train.py --steps {steps} --ckpt-dir {checkpoint_dir} --ckpt-every {checkpoint_at} \
         | train.py --steps {steps} --resume {checkpoint}          (one line)

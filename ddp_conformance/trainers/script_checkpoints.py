@@ -1,4 +1,4 @@
-"""Where a `script:` fit put its checkpoint, and the directory a resume of it starts in.
+"""Both processes: where a `script:` fit put its checkpoint, and the directory a resume of it starts in.
 
 Every rank's fit writes into a `{checkpoint_dir}` of its own (`ckpt/rank<r>`), so what a rank wrote is
 known by where it lies. Tools that checkpoint per rank by design (accelerate's `save_state` writes

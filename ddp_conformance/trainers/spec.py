@@ -1,4 +1,4 @@
-"""`--ddp-trainer SPEC` resolution: a built-in name, `package.module:Attr`, `path/to/file.py:Attr`, or
+"""Both processes: `--ddp-trainer SPEC` resolution: a built-in name, `package.module:Attr`, `path/to/file.py:Attr`, or
 `lightning:` and a LightningModule (+ LightningDataModule), or a factory, each named the same two ways.
 
 A `lightning:` SPEC needs no adapter: `lightning:pkg.model:LitModel+pkg.data:LitData` checks that

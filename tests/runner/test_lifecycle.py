@@ -223,9 +223,9 @@ def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop
     learns that its ranks ended from their pidfds, not from the zygote busy importing."""
     import pickle
 
-    from ddp_conformance.runner.parent.process import cpu_seconds
     from ddp_conformance.runner.parent.supervisor import RankPool
     from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import WARMUP, DdpPlan, Task
 
     if not os.path.exists(f"/proc/{os.getpid()}/stat"):

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from ...adapter import NotProvided
-from ...runner.parent.verdict import ranks_label
+from ...runner.ranks import ranks_label
 from ..support.amp_watch import AmpWatch, scaled_clipping
 from ..support.check_context import (
     CheckContext,

@@ -1,2 +1,2 @@
-"""What several checks use: the check context, the fit recorder, progress, comparisons and measurements.
+"""Both processes: what several checks use: the check context, the fit recorder, progress, comparisons and measurements.
 A check imports from here; nothing here imports a check."""

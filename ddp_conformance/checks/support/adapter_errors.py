@@ -1,4 +1,4 @@
-"""Say which adapter call failed: a user's adapter that raises (or a checkpoint it cannot read) must
+"""Both processes: say which adapter call failed: a user's adapter that raises (or a checkpoint it cannot read) must
 give one line naming the trainer, the method and its arguments, not a bare `OSError: [Errno 22]`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What every check gets: a fresh adapter on demand, the reconciled config, figures, timing.
+"""Both processes: what every check gets: a fresh adapter on demand, the reconciled config, figures, timing.
 
 Figures go into the dict of the check's one result (`ddp_conformance.checks.CheckResult`), which
 `run_check` puts in the `ddp` fixture's `figures` before the check starts, so whatever a check

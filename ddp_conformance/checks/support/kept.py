@@ -1,4 +1,4 @@
-"""What a rank process keeps between the tests of a session: the evidence of a fit that several checks
+"""Both processes: what a rank process keeps between the tests of a session: the evidence of a fit that several checks
 judge (`checks/support/shared_fit.py`).
 
 Everything is kept under a key that names all it depends on (the SPEC, the config, the group), and

@@ -40,8 +40,7 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 
 from ...adapter import FitObserver, StepInfo
-from ...runner.parent.process import cpu_seconds
-from ...runner.parent.verdict import ranks_label
+from ...runner.ranks import cpu_seconds, ranks_label
 from . import collectives, kept
 from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .observe import FitRecord, FitRecorder, ObservedState

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...runner.parent.verdict import ranks_label
+from ...runner.ranks import ranks_label
 
 #: the order rule needs this many observed positions per epoch: two epochs' shuffles agree on m
 #: positions by chance with probability at most (N-m)!/N! <= 1/m!, negligible for m = 10 (1/3.6e6)

@@ -46,17 +46,6 @@ def catches_signal(pid: int | str, signum: int) -> bool:
     return True
 
 
-def cpu_seconds(pid: int | str) -> float | None:
-    """User + system CPU time of process `pid` so far (fields 14 and 15 of /proc/PID/stat, after the
-    command's parentheses); None where it cannot be read (gone, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError, AttributeError):
-        return None
-
-
 @dataclass
 class RankProcess:
     rank: int

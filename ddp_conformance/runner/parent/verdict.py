@@ -13,18 +13,12 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..frames import is_harness, is_users
+from ..ranks import ranks_label
 from ..wire import FAILED, PASSED, SKIPPED, XFAILED, Outcome, PoolRun, RankEnd, RankReply
-
-
-def ranks_label(ranks: Iterable[int]) -> str:
-    """"rank 1" or "ranks 1, 3": how every message names ranks."""
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 @dataclass
