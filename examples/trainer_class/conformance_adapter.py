@@ -7,7 +7,7 @@ from pathlib import Path
 
 from trainer import Trainer, make_dataset, make_loader, make_model
 
-from ddp_conformance.adapter import TrainerAdapter
+from ddp_conformance import TrainerAdapter
 
 
 class EpochTrainer(TrainerAdapter):
