@@ -43,7 +43,7 @@ class NotProvided(Exception):
 class TrainerBuildError(Exception):
     """The trainer could not be built (its factory or class raised, or its `setup` with the run's
     config): no check of it can run. Raised from the trainer's own error, which holds its frames;
-    the suite reports it once and skips the trainer's other checks (`ddp_conformance.builds`)."""
+    the suite reports it once and skips the trainer's other checks (`ddp_conformance.suite.unbuilt`)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from .runner import launched
 from .runner.controller import Controller
 from .runner.parent.pool_controller import PoolController
 
-pytest_plugins = ["ddp_conformance.report", "ddp_conformance.builds", "ddp_conformance.plan"]
+pytest_plugins = ["ddp_conformance.suite.report", "ddp_conformance.suite.unbuilt", "ddp_conformance.plan"]
 
 CONTROLLER_KEY = pytest.StashKey[Controller]()
 

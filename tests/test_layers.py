@@ -191,8 +191,9 @@ def test_an_import_in_a_function_says_why_it_is_deferred() -> None:
 def test_the_pytest_process_imports_no_torch_for_the_plugin_the_suite_and_the_report() -> None:
     """What pytest loads for every session stays light: torch is imported by the ranks, and by the
     rank-only modules at their top (a check, the fit recorder), never through these."""
-    code = ("import sys, ddp_conformance.plugin, ddp_conformance.suite.test_conformance, ddp_conformance.report, "
-            "ddp_conformance.builds; print(sorted(m for m in ('torch', 'numpy', 'lightning') if m in sys.modules))")
+    code = ("import sys, ddp_conformance.plugin, ddp_conformance.suite.test_conformance, "
+            "ddp_conformance.suite.report, ddp_conformance.suite.unbuilt; "
+            "print(sorted(m for m in ('torch', 'numpy', 'lightning') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
 

@@ -121,7 +121,7 @@ def _through_an_epoch_end(ctx: CheckContext, figures: dict[str, Any]) -> None:
     """Watch the long fit sampler_disjointness and resume_fidelity share (`shared_fit.observed_fit`: past an epoch
     end and resume_fidelity's checkpoint, where the epoch is one the suite trains whole), run here first, so that a
     rank that parts from the others there (an evaluation, a log or a save on one rank alone, an early stop) hangs in
-    this check, the one that owns hangs, and every later check of the trainer skips naming it (`builds.py`). Its
+    this check, the one that owns hangs, and every later check of the trainer skips naming it (`suite/unbuilt.py`). Its
     other failures are the checks' that read the fit: they run it again and say so."""
     __tracebackhide__ = hide_on_verdict
     probe = shared_fit.probe(ctx)

@@ -3,7 +3,7 @@
 Parametrized in this module's own `pytest_generate_tests` from the session's `--ddp-trainer`
 SPECs, each parsed once (`TrainerSpec`, with its one label; the test's `trainer` parameter is the
 SPEC as given, its id the label), so the suite needs no conftest. A
-trainer that could not be built fails its first check and skips the others (`ddp_conformance.builds`).
+trainer that could not be built fails its first check and skips the others (`ddp_conformance.suite.unbuilt`).
 The ranks receive the parsed SPEC and the config read here, pickled with the test, and import what
 the SPEC names: classes do not cross process boundaries.
 """
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_conformance.builds import unbuilt_trainers
 from ddp_conformance.checks import CheckOptions, run_check, stall_seconds
 from ddp_conformance.config import RunConfig
 from ddp_conformance.marker import ddp_test
 from ddp_conformance.options import run_config, session_trainers, settings_of
-from ddp_conformance.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
 from ddp_conformance.runner.wire import WARMUP
 from ddp_conformance.selection import LEAST_TIMEOUT
+from ddp_conformance.suite.report import CHECK_PROPERTY, SPEC_PROPERTY, TRAINER_PROPERTY
+from ddp_conformance.suite.unbuilt import unbuilt_trainers
 from ddp_conformance.trainers.spec import TrainerSpec
 
 
@@ -54,7 +54,7 @@ def conformance_config(pytestconfig: pytest.Config) -> RunConfig:
 def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str,
                         conformance_config: RunConfig) -> CheckOptions:
     """Computed in the pytest process, pickled to the ranks. Also tags the test as a conformance
-    result for ddp_conformance.report (user properties travel with the report, xdist included)."""
+    result for ddp_conformance.suite.report (user properties travel with the report, xdist included)."""
     settings = settings_of(request.config)
     parsed = parsed_trainers(request.config)[trainer]
     request.node.user_properties.extend([(TRAINER_PROPERTY, parsed.label), (SPEC_PROPERTY, trainer),

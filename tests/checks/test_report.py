@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ddp_conformance.checks import CHECK_IDS
-from ddp_conformance.report import MATRIX_WIDTH, matrix_lines, schema
+from ddp_conformance.suite.report import MATRIX_WIDTH, matrix_lines, schema
 from ddp_conformance.trainers.spec import trainer_labels
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import re
 
 from ddp_conformance.checks import CHECK_IDS, stall_seconds
 from ddp_conformance.checks.support.progress import Progress, stall_verdict
-from ddp_conformance.report import matrix_lines
+from ddp_conformance.suite.report import matrix_lines
 from ddp_conformance.trainers.spec import trainer_label
 
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from .checks import CHECK_IDS, FAILED, RESULT_FIGURE, CheckResult
-from .options import settings_of, unwritable_reason, where_given
+from ..checks import CHECK_IDS, FAILED, RESULT_FIGURE, CheckResult
+from ..options import settings_of, unwritable_reason, where_given
 
 # the trainer's one name (the test id's), its SPEC as given, and the check id
 TRAINER_PROPERTY, SPEC_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_spec", "conformance_check"

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from .checks import RESULT_FIGURE
+from ..checks import RESULT_FIGURE
 
 BUILD_FAILED = ("ddp_conformance.adapter", "TrainerBuildError")  # (module, qualname): a rank's error crosses as names
 HUNG_FIGURE = "hung"  # a check's figure, True where its fit hung (`progress.guarded_fit`)
@@ -94,4 +94,4 @@ def unbuilt_trainers(config: pytest.Config) -> UnbuiltTrainers:
 def pytest_configure(config: pytest.Config) -> None:
     unbuilt = UnbuiltTrainers()
     config.stash[UNBUILT_KEY] = unbuilt
-    config.pluginmanager.register(unbuilt, "ddp-conformance-builds")
+    config.pluginmanager.register(unbuilt, "ddp-conformance-unbuilt")
