@@ -6,7 +6,7 @@ Per repeat, four pytest sessions in subprocesses (with --junitxml), interleaved 
 kinds: N1 and N2 trivial distributed tests (`@pytest.mark.ddp(world_size=W)`, one all_reduce of one
 float and an assert on it) and N1 and N2 plain tests (one torch op and an assert). Both modules import
 torch, as a distributed test module does, and start with one test left out of every figure: there,
-the distributed module waits for its pool and lets the zygote's idle-time imports finish (they would
+the distributed module waits for its pool and lets the fork server's idle-time imports finish (they would
 otherwise take a core from the first few hundred milliseconds of tests). Columns:
 
   junit ms       median JUnit time (setup + call + teardown) of the measured tests of the N2 session,
@@ -30,7 +30,7 @@ otherwise take a core from the first few hundred milliseconds of tests). Columns
   floor ms       plain growth + bare: what a distributed test would add to a session if the runner cost
                  nothing at all (pytest's own per-test work, then the wake-up of every rank and the
                  test's collective). No runner with one process per rank gets under it
-  ddp cpu ms     CPU of the N2 session's whole process tree (pytest, zygote, ranks; /proc) per test,
+  ddp cpu ms     CPU of the N2 session's whole process tree (pytest, fork server, ranks; /proc) per test,
   plain cpu ms   over the same span as growth
   all_reduce cpu one all_reduce's CPU summed over the ranks (every thread of each rank)
   cpu floor ms   plain cpu + all_reduce cpu: the CPU any runner must spend on a trivial test
@@ -76,7 +76,7 @@ SETTLE = {
 @pytest.mark.ddp(world_size={ws})
 def test_a_settle(ddp):
     import time
-    time.sleep({settle})  # the pool is up; the zygote imports torch._dynamo & co. while idle
+    time.sleep({settle})  # the pool is up; the fork server imports torch._dynamo & co. while idle
 ''',
     "plain": '''
 def test_a_settle():
@@ -100,7 +100,7 @@ CPU = {}
 
 
 def tree_cpu():
-    """CPU seconds of this pytest process and all its descendants (zygote, ranks) so far."""
+    """CPU seconds of this pytest process and all its descendants (fork server, ranks) so far."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -197,8 +197,8 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
     """Seconds on a warm pool: the trivial test's median ("pool"), an empty test's ("empty"), one
     all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
     a floor under any per-test wall time)."""
-    from ddp_conformance.runner.parent.supervisor import RankPool
-    from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.parent.fork_server import ForkServer
+    from ddp_conformance.runner.parent.rank_pool import RankPool
     from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import DdpPlan, Task
 
@@ -210,12 +210,12 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
                     funcargs=pickle.dumps({"ddp": DdpPlan(world_size, "gloo")}), sys_path=list(sys.path),
                     cwd=os.getcwd())
 
-    zygote = Zygote(start_timeout=300)
-    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    fork_server = ForkServer(start_timeout=300)
+    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
     figures: dict[str, float] = {}
     try:
         pool.start()
-        time.sleep(SETTLE_SECONDS)  # as in the pytest sessions: the zygote's idle-time imports finish first
+        time.sleep(SETTLE_SECONDS)  # as in the pytest sessions: the fork server's idle-time imports finish first
         pids = [proc.popen.pid for proc in pool.ranks]
         for name, key in (("test_trivial", "pool"), ("test_empty", "empty")):
             test = task(name)
@@ -236,7 +236,7 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
         figures["all_reduce_cpu"] = sum(reply.figures["all_reduce_cpu_s"] for reply in floor.values())
     finally:
         pool.stop()
-        zygote.close()
+        fork_server.close()
     return figures
 
 
@@ -250,7 +250,7 @@ def bare_round_trip(directory: Path, world_size: int, iterations: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from ddp_conformance.runner.parent.supervisor import loopback_interface
+    from ddp_conformance.runner.parent.rank_pool import loopback_interface
 
     interface = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface() or "lo"  # as the pools choose it
     store = str(directory / f"bare-store-{time.monotonic_ns()}")  # a FileStore file serves one group

@@ -4,9 +4,9 @@
 
 Columns, per world size:
   bare spawn   mp.spawn + init_process_group(gloo, FileStore) + destroy: the floor of a cold start
-  cold pool    a session's first pool: start the zygote (it imports torch once), fork the ranks, until every
+  cold pool    a session's first pool: start the fork server (it imports torch once), fork the ranks, until every
                rank has joined the group
-  rebuild      a later pool from the warm zygote (what a failed test costs the next one)
+  rebuild      a later pool from the warm fork server (what a failed test costs the next one)
   exec pool    the same pool with each rank exec'd (DDP_CONFORMANCE_SPAWN=exec, the fallback)
   warm test    median wall time of one trivial marked test (one all_reduce) on the warm pool
   fresh test   a new group per test: spawn + init + the same test + destroy (MultiProcessTestCase style)
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddp_conformance.runner.parent.supervisor import RankPool
-from ddp_conformance.runner.parent.zygote import Zygote
+from ddp_conformance.runner.parent.fork_server import ForkServer
+from ddp_conformance.runner.parent.rank_pool import RankPool
 from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """
@@ -83,11 +83,11 @@ def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
     figures["exec"] = time.perf_counter() - began
     exec_pool.stop()
     began = time.perf_counter()
-    zygote = Zygote(start_timeout=300)
-    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    fork_server = ForkServer(start_timeout=300)
+    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
     pool.start()
     figures["cold"] = time.perf_counter() - began
-    rebuilt = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote)
+    rebuilt = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
     began = time.perf_counter()
     rebuilt.start()
     figures["rebuild"] = time.perf_counter() - began
@@ -107,7 +107,7 @@ def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
         figures["all_reduce"] = floor.replies[0].figures["all_reduce_s"]
     finally:
         pool.stop()
-        zygote.close()
+        fork_server.close()
     figures["fresh"] = statistics.median(bare_spawn(world_size, run_test=True) for _ in range(2))
     return figures
 

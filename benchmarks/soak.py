@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddp_conformance.runner.parent.supervisor import RankPool
+from ddp_conformance.runner.parent.rank_pool import RankPool
 from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """

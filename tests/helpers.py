@@ -10,7 +10,7 @@ def _rank_parent(pid: int) -> int | None:
     """The pytest pid a rank process belongs to (from its environment), or None if not a rank."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"ddp_conformance." not in cmdline:  # ranks, exec'd or forked by the zygote, and the zygote
+        if b"ddp_conformance." not in cmdline:  # ranks, exec'd or forked by the fork server, and the fork server
             return None
         for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
             if entry.startswith(b"DDP_CONFORMANCE_PARENT="):

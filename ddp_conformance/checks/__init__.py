@@ -25,7 +25,7 @@ from ..adapter import NotProvided, named
 from ..config import RunConfig
 from ..selection import CHECK_IDS, DEFAULT_CHECKS
 from ..trainers.spec import TrainerSpec
-from .support import kept
+from .support import session_evidence
 from .support.check_context import CheckContext, CheckFailed, hide_on_verdict
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)
@@ -115,7 +115,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
         # after an error of the check's own the process may hold anything; a verdict leaves it as the check's
         # completed fits did (a fit that raised or hung has already dropped the evidence, in `guarded_fit`)
         if result is None:
-            kept.forget()
+            session_evidence.forget()
     ddp.figures[RESULT_FIGURE] = result.as_figure()
     return result
 

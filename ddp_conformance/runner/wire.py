@@ -39,7 +39,7 @@ STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
 # channel, which carries one answer per test; the parent reads it while it waits and prints it
 STATUS_FILE_ENV: Final = "DDP_CONFORMANCE_STATUS_FILE"
 # what a rank imports late and dearly (torch._dynamo: ~2.4 s of CPU, at its first optimizer or DDP).
-# Once a rank says it has it, the zygote imports it while idle, so that ranks forked later start
+# Once a rank says it has it, the fork server imports it while idle, so that ranks forked later start
 # with it; a session whose tests never need it never pays for it (most of this project's own)
 WARMUP: Final = ("torch._dynamo",)
 # what every rank needs to join a group and run a test: the fork server imports them before it says it
@@ -100,7 +100,7 @@ class Ready:
 
 @dataclass
 class Fork:
-    """Ask the zygote for one rank process with this environment and log file."""
+    """Ask the fork server for one rank process with this environment and log file."""
 
     env: dict[str, str]
     log_path: str
@@ -108,8 +108,8 @@ class Fork:
 
 @dataclass
 class Call:
-    """Ask the zygote for one short-lived process, not a rank, that imports `target` ("module:function")
-    and writes what `target(argument)` returns (a str) to `result_path`: work that needs the zygote's
+    """Ask the fork server for one short-lived process, not a rank, that imports `target` ("module:function")
+    and writes what `target(argument)` returns (a str) to `result_path`: work that needs the fork server's
     imports, done without paying them again in pytest's process. It runs with pytest's `sys_path` and
     `cwd`, as a rank runs a `Task`, so that it imports what the ranks would."""
 
@@ -128,12 +128,12 @@ class Forked:
 
 @dataclass
 class WarmUp:
-    """Tell the zygote that ranks use the WARMUP modules: import them while idle."""
+    """Tell the fork server that ranks use the WARMUP modules: import them while idle."""
 
 
 @dataclass
 class Exited:
-    """The zygote reaped one of its ranks; `status` as os.waitpid gives it."""
+    """The fork server reaped one of its ranks; `status` as os.waitpid gives it."""
 
     pid: int
     status: int
@@ -154,7 +154,7 @@ class RankReply:
     group_healthy: bool = True
     health_note: str = ""
     sequence: int | None = None
-    warm: bool = False  # a WARMUP module is imported here: the zygote should preload it
+    warm: bool = False  # a WARMUP module is imported here: the fork server should preload it
 
 
 @dataclass

@@ -178,9 +178,9 @@ def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
     # the first pool's rank 1 is sent to another store, so the two ranks can never meet
     pytester.makeconftest(
         """
-        import ddp_conformance.runner.parent.supervisor as supervisor
+        import ddp_conformance.runner.parent.rank_pool as rank_pool
 
-        original = supervisor.RankPool._environment
+        original = rank_pool.RankPool._environment
         pools = []
 
         def split_rendezvous(self, rank, store):
@@ -191,7 +191,7 @@ def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
                 env["DDP_CONFORMANCE_STORE"] = str(store) + "-elsewhere"
             return env
 
-        supervisor.RankPool._environment = split_rendezvous
+        rank_pool.RankPool._environment = split_rendezvous
         """
     )
     result, times = run_matrix(
@@ -201,7 +201,8 @@ def test_rendezvous_that_never_completes(pytester: pytest.Pytester) -> None:
         def test_a_needs_the_group(ddp):
             pass
         """,
-        "--ddp-start-timeout", "10",  # 5 s is too short on a loaded machine: the zygote's torch import can run past it
+        # 5 s is too short on a loaded machine: the fork server's torch import can run past it
+        "--ddp-start-timeout", "10",
     )
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(

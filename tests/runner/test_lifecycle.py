@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 @pytest.fixture
 def session_tmpdir() -> Iterator[Path]:
     """A TMPDIR of its own for a pytest session the test runs: what the session leaves in it is
-    what its pools and zygote left. Short, under /tmp: a pool's socket path must stay under the
+    what its pools and fork server left. Short, under /tmp: a pool's socket path must stay under the
     AF_UNIX limit, past which the pool falls back to /tmp itself."""
     path = Path(tempfile.mkdtemp(prefix="ddpt-", dir="/tmp" if os.path.isdir("/tmp") else None))
     yield path
@@ -34,14 +34,14 @@ def leftovers(tmpdir: Path) -> list[str]:
     return sorted(entry.name.rsplit("-", 1)[0] for entry in tmpdir.iterdir())
 
 NEVER_SPAWN = """
-import ddp_conformance.runner.parent.supervisor as supervisor
-import ddp_conformance.runner.parent.zygote as zygote
+import ddp_conformance.runner.parent.rank_pool as rank_pool
+import ddp_conformance.runner.parent.fork_server as fork_server
 
 def _refuse(self, *args, **kwargs):
     raise AssertionError("a process was spawned although the test had to be skipped in the parent")
 
-supervisor.RankPool.launch = _refuse
-zygote.Zygote.__init__ = _refuse
+rank_pool.RankPool.launch = _refuse
+fork_server.ForkServer.__init__ = _refuse
 """
 
 
@@ -70,7 +70,7 @@ def test_gpus_asked_for_and_missing_skip_in_the_parent(
 
 def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, session_tmpdir: Path) -> None:
     """SIGKILL leaves no process; it does leave the directories pytest never got to remove, and
-    nothing else: the pool's (its socket, store and rank logs) and the zygote's."""
+    nothing else: the pool's (its socket, store and rank logs) and the fork server's."""
     marker = pytester.path / "ranks-running"
     pytester.makepyfile(
         f"""
@@ -97,7 +97,7 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, se
             assert time.monotonic() < deadline, "the ranks never started"
             assert proc.poll() is None, "pytest ended before the test ran"
             time.sleep(0.1)
-        assert len(live_ranks(parent=proc.pid)) >= 2  # the ranks (and the zygote that forked them)
+        assert len(live_ranks(parent=proc.pid)) >= 2  # the ranks (and the fork server that forked them)
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
@@ -107,7 +107,7 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, se
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert leftovers(session_tmpdir) == ["ddp-conformance-ws2", "ddp-conformance-zygote"]
+    assert leftovers(session_tmpdir) == ["ddp-conformance-fork-server", "ddp-conformance-ws2"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
@@ -145,47 +145,48 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
     assert live_ranks(parent=proc.pid) == []
     assert "KeyboardInterrupt" in out
     assert out.count("Traceback") == 0, out
-    assert leftovers(session_tmpdir) == []  # the pool's and the zygote's directories went with them
+    assert leftovers(session_tmpdir) == []  # the pool's and the fork server's directories went with them
 
 
 @pytest.mark.slow
 def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forks that wait (on a zygote still importing torch) do not eat into the ranks' time to meet."""
-    from ddp_conformance.runner.parent.supervisor import RankPool
-    from ddp_conformance.runner.parent.zygote import Zygote
+    """Forks that wait (on a fork server still importing torch) do not eat into the ranks' time to meet."""
+    from ddp_conformance.runner.parent.fork_server import ForkServer
+    from ddp_conformance.runner.parent.rank_pool import RankPool
 
-    zygote = Zygote(start_timeout=300)
-    fork = zygote.fork
+    fork_server = ForkServer(start_timeout=300)
+    fork = fork_server.fork
 
     def slow_fork(*args: object, **kwargs: object) -> object:
         time.sleep(2.5)
         return fork(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(zygote, "fork", slow_fork)
-    pool = RankPool(2, "gloo", start_timeout=4, rank_threads=1, zygote=zygote)
+    monkeypatch.setattr(fork_server, "fork", slow_fork)
+    pool = RankPool(2, "gloo", start_timeout=4, rank_threads=1, fork_server=fork_server)
     try:
         pool.start()  # 5 s of forks, then a rendezvous well within 4 s
         assert pool.ready
     finally:
         pool.stop()
-        zygote.close()
+        fork_server.close()
 
 
 def test_a_call_runs_in_a_process_the_fork_server_forks_and_leaves_nothing(tmp_path: Path) -> None:
-    """`Zygote.call`: the str its target returns, computed in a child of rank 0's fork server (which the child
+    """`ForkServer.call`: the str its target returns, computed in a child of rank 0's fork server (which the child
     names in DDP_CONFORMANCE_PARENT); a target that raises is an OSError with its last words; no file of
     either is left in the server's directory."""
-    from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.parent.fork_server import ForkServer
 
-    zygote = Zygote(start_timeout=300)
+    fork_server = ForkServer(start_timeout=300)
     try:
-        assert zygote.call("posixpath:basename", "/a/trainer.py") == "trainer.py"
-        assert zygote.call("os:getenv", "DDP_CONFORMANCE_PARENT") == str(zygote.pids[0])
+        assert fork_server.call("posixpath:basename", "/a/trainer.py") == "trainer.py"
+        assert fork_server.call("os:getenv", "DDP_CONFORMANCE_PARENT") == str(fork_server.pids[0])
         with pytest.raises(OSError, match=r"^json:loads ended with exit code 1 and no result: .*JSONDecodeError"):
-            zygote.call("json:loads", "{")
-        assert [os.listdir(server.log_dir) for server in zygote.servers] == [["zygote.log"]] * len(zygote.servers)
+            fork_server.call("json:loads", "{")
+        logs = [os.listdir(server.log_dir) for server in fork_server.servers]
+        assert logs == [["fork_server.log"]] * len(fork_server.servers)
     finally:
-        zygote.close()
+        fork_server.close()
 
 
 def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pytester) -> None:
@@ -207,7 +208,7 @@ def test_plugin_imports_no_torch_without_distributed_tests(pytester: pytest.Pyte
     listed.stdout.fnmatch_lines(["*ddp_conformance*"])  # the plugin was loaded, not absent
 
 
-ZYGOTE_TASKS = """
+FORK_SERVER_TASKS = """
 import torch
 
 def test_nothing(ddp):
@@ -218,73 +219,73 @@ def test_optimizer(ddp):
 """
 
 
-def test_the_zygote_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop(tmp_path) -> None:
-    """torch._dynamo costs ~2.4 s of CPU: the zygote imports it only after a rank has, and the pool
-    learns that its ranks ended from their pidfds, not from the zygote busy importing."""
+def test_the_fork_server_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a_stop(tmp_path) -> None:
+    """torch._dynamo costs ~2.4 s of CPU: the fork server imports it only after a rank has, and the pool
+    learns that its ranks ended from their pidfds, not from the fork server busy importing."""
     import pickle
 
-    from ddp_conformance.runner.parent.supervisor import RankPool
-    from ddp_conformance.runner.parent.zygote import Zygote
+    from ddp_conformance.runner.parent.fork_server import ForkServer
+    from ddp_conformance.runner.parent.rank_pool import RankPool
     from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import WARMUP, DdpPlan, Task
 
     if not os.path.exists(f"/proc/{os.getpid()}/stat"):
-        pytest.skip("needs Linux /proc to read the zygote's CPU time")
-    (tmp_path / "zygote_tasks.py").write_text(ZYGOTE_TASKS)
+        pytest.skip("needs Linux /proc to read the fork server's CPU time")
+    (tmp_path / "fork_server_tasks.py").write_text(FORK_SERVER_TASKS)
 
     def run(pool: RankPool, name: str) -> list[bool]:
-        task = Task(nodeid=name, module_path=str(tmp_path / "zygote_tasks.py"), module_name="zygote_tasks",
+        task = Task(nodeid=name, module_path=str(tmp_path / "fork_server_tasks.py"), module_name="fork_server_tasks",
                     qualname=name, funcargs=pickle.dumps({"ddp": DdpPlan(pool.world_size, "gloo")}),
                     sys_path=list(sys.path), cwd=str(tmp_path))
         replies = pool.run(task, 120).replies
         assert [reply.outcome for reply in replies.values()] == ["passed"] * pool.world_size, replies
         return [reply.warm for reply in replies.values()]
 
-    zygote = Zygote(start_timeout=300)
+    fork_server = ForkServer(start_timeout=300)
     pools: list[RankPool] = []
 
-    def zygote_cpu() -> float:
-        return sum(cpu_seconds(pid) or 0.0 for pid in zygote.pids)
+    def fork_server_cpu() -> float:
+        return sum(cpu_seconds(pid) or 0.0 for pid in fork_server.pids)
 
     def start(world_size: int) -> RankPool:
-        pools.append(RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, zygote=zygote))
+        pools.append(RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server))
         pools[-1].start()
         return pools[-1]
 
     try:
         first = start(2)
         assert run(first, "test_nothing") == [False, False]
-        cpu = zygote_cpu()
-        time.sleep(2)  # idle: an eager zygote would import WARMUP now
-        assert zygote_cpu() - cpu < 0.3, "the idle zygote imported what no rank asked for"
-        assert run(first, "test_optimizer") == [True, True] and zygote.warming
-        cpu, deadline = zygote_cpu(), time.monotonic() + 60
-        while zygote_cpu() - cpu < 0.2:  # the zygote is importing WARMUP now
-            assert zygote.alive and time.monotonic() < deadline, "the zygote never began to import WARMUP"
+        cpu = fork_server_cpu()
+        time.sleep(2)  # idle: an eager fork_server would import WARMUP now
+        assert fork_server_cpu() - cpu < 0.3, "the idle fork_server imported what no rank asked for"
+        assert run(first, "test_optimizer") == [True, True] and fork_server.warming
+        cpu, deadline = fork_server_cpu(), time.monotonic() + 60
+        while fork_server_cpu() - cpu < 0.2:  # the fork server is importing WARMUP now
+            assert fork_server.alive and time.monotonic() < deadline, "the fork server never began to import WARMUP"
             time.sleep(0.05)
         began = time.monotonic()
         first.stop()
-        assert time.monotonic() - began < 1.0, "the stop waited for the busy zygote to reap its ranks"
+        assert time.monotonic() - began < 1.0, "the stop waited for the busy fork server to reap its ranks"
         deadline = time.monotonic() + 120
         while not run(start(1), "test_nothing")[0]:  # a pool forked once the import is done has it
-            assert time.monotonic() < deadline, f"the zygote never preloaded {WARMUP}"
+            assert time.monotonic() < deadline, f"the fork server never preloaded {WARMUP}"
             pools.pop().stop()
             time.sleep(0.2)
     finally:
         for pool in pools:
             pool.stop()
-        zygote.close()
+        fork_server.close()
 
 
 def test_a_module_the_marker_preloads_is_in_the_ranks_before_their_first_test(pytester: pytest.Pytester) -> None:
-    """`preload` reaches the zygote, which imports it before it forks the session's first ranks (the
+    """`preload` reaches the fork server, which imports it before it forks the session's first ranks (the
     conformance suite preloads torch._dynamo: ~2.4 s of CPU, else paid by every rank)."""
     pytester.makepyfile(
         """
         import sys
         import pytest
 
-        def test_nothing_imports_it_by_itself():  # in pytest, which imports what the ranks' zygote does but torch
+        def test_nothing_imports_it_by_itself():  # in pytest, which imports what the ranks' fork_server does but torch
             assert "colorsys" not in sys.modules
 
         @pytest.mark.ddp(world_size=2, preload="colorsys")
@@ -334,5 +335,5 @@ def test_xdist_workers_leave_nothing_behind(pytester: pytest.Pytester, session_t
     )
     assert proc.returncode == 0, proc.stdout
     assert "2 passed" in proc.stdout
-    assert leftovers(session_tmpdir) == []  # no ddp-conformance-ws2-*, no ddp-conformance-zygote-*
+    assert leftovers(session_tmpdir) == []  # no ddp-conformance-ws2-*, no ddp-conformance-fork-server-*
     # and no rank outlived its worker: the module's no_orphans fixture

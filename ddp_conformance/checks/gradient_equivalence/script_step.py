@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from ...adapter import NotProvided
-from ..support import kept
+from ..support import session_evidence
 from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, max_delta
@@ -292,7 +292,7 @@ class _Rerun:
                 with self.ctx.training(1):
                     (self.ctx.adapter(self.config) if self.config is not None else self.ctx.adapter()).fit(1)
             except Exception as exc:
-                kept.forget()  # as after any fit that raised (`guarded_fit`)
+                session_evidence.forget()  # as after any fit that raised (`guarded_fit`)
                 first_line = str(exc).splitlines()[0] if str(exc) else ""
                 raise Unjudged(f"the script raised in a world of one: {type(exc).__name__}: {first_line}") from exc
         self._note_hooks(hooks)

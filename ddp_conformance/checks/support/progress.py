@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...adapter import FitObserver, StepInfo
 from ...runner.ranks import cpu_seconds, ranks_label
-from . import collectives, kept
+from . import collectives, session_evidence
 from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
 from .observe import FitRecord, FitRecorder, ObservedState
 
@@ -56,7 +56,7 @@ BUSY_FRACTION = 0.5
 # of one core, for the fallback where schedstat is missing: the process's CPU time
 BUSY_CPU_FRACTION = 0.3
 # seconds without progress after another rank's fit raised before this rank says it hangs waiting for it:
-# within the runner's grace after a failure (supervisor.FAILURE_GRACE_SECONDS), so that the waiting
+# within the runner's grace after a failure (rank_pool.FAILURE_GRACE_SECONDS), so that the waiting
 # rank answers with where it waits instead of being killed as stuck
 FAILED_PEER_STALL = 2.0
 BUSY_WINDOW = 0.4  # seconds over which it is measured; below the shortest stall_after a test uses
@@ -276,7 +276,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
 
     Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
     Raises the call's own exception on a rank whose fit raised, `PeerFitFailed` on one whose fit ended
-    while another's raised, `CheckFailed` when it hangs. Each way this rank's kept evidence (`kept.py`)
+    while another's raised, `CheckFailed` when it hangs. Each way this rank's kept evidence (`session_evidence.py`)
     is dropped: the next fit starts in a process unlike a fresh one.
     """
     __tracebackhide__ = hide_on_verdict
@@ -316,10 +316,11 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
         try:
             progress = _watch(ctx, observer, thread, steps, label)
         except BaseException:
-            kept.forget()  # a hang (the fit may still run) or a peer's error: the process is not a fresh one's
+            # a hang (the fit may still run) or a peer's error: the process is not a fresh one's
+            session_evidence.forget()
             raise
     if "error" in box:
-        kept.forget()  # a fit that raised may leave a half-built trainer, RNG or files behind
+        session_evidence.forget()  # a fit that raised may leave a half-built trainer, RNG or files behind
         raise box["error"]
     return box["result"], progress  # type: ignore[return-value]
 

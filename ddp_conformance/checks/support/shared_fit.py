@@ -17,12 +17,12 @@ that stays as configured where a check runs the fit again with one setting chang
 recomputes, and, where the config has no dropout (the steady fit is then the configured fit),
 rank_participation's.
 
-Evidence is reused only where it is the same fit (`kept.py` keeps it):
+Evidence is reused only where it is the same fit (`session_evidence.py` keeps it):
 - its key is the SPEC as given (with its base), the config the fit ran with, the epoch length and
   checkpoint cadence it was planned from, and the group's size, backend and device: another trainer
   or configuration never matches;
 - it lives in this rank's process, so a rebuilt pool (fresh rank processes) starts with none;
-- `kept.forget()` drops all of it after a fit that raised or hung on this rank (`guarded_fit`) and after a
+- `session_evidence.forget()` drops all of it after a fit that raised or hung on this rank (`guarded_fit`) and after a
   check's own error (`run_check`), since those may leave the process (RNG, files, a half-built trainer)
   unlike a fresh one; a failed verdict from fits that ended normally does not;
 - it is reused only when every rank holds it (gathered): ranks that disagreed would run different
@@ -43,10 +43,10 @@ from ...plan import STEADY_STEPS, plan_steps
 from . import lr_trail
 from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
-from .kept import kept_or_run
 from .observe import FitRecord
 from .parting import STEPS as PARTING_STEPS
 from .progress import Progress, epoch_steps, guarded_fit
+from .session_evidence import kept_or_run
 from .vacuity import TrainingEvidence
 
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume

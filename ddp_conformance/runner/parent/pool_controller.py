@@ -24,10 +24,10 @@ from ..controller import DdpTest, RunnerSettings, skip_at_item
 from ..wire import FAILED, RANK_IMPORTS, SKIPPED, XFAILED, DdpPlan
 from . import status_line
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
-from .supervisor import PoolStartError, RankPool
+from .fork_server import ForkServer
+from .rank_pool import PoolStartError, RankPool
 from .task_builder import UnpicklableFixture, make_task
 from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, line_repr, prefixed_output
-from .zygote import Zygote
 
 MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
 
@@ -53,29 +53,29 @@ class PoolController:
         self._active = False
         self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
         self._hardware: Hardware | None = None
-        self._zygote: Zygote | None = None
+        self._fork_server: ForkServer | None = None
         self.last_test: dict[tuple[int, str], str] = {}
         self.longest_timeout = settings.timeout  # raised to the longest marked test's at collection
-        self.preload: tuple[str, ...] = ()  # what the collected tests ask the zygote to import first
-        self._zygote_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
+        self.preload: tuple[str, ...] = ()  # what the collected tests ask the fork server to import first
+        self._fork_server_failed = os.environ.get("DDP_CONFORMANCE_SPAWN") == "exec" or not hasattr(os, "fork")
 
     # -- the controller's face (see controller.Controller) ----------------------------------------
     def expect(self, preload: tuple[str, ...]) -> None:
         """Start the fork server now: its imports (torch, `preload`) overlap pytest's own start (the
         SPECs it validates import the same frameworks) instead of following collection. Activated first,
-        as before any pool: a SIGTERM while pytest still configures must unwind it and close the zygote."""
+        as before any pool: a SIGTERM while pytest still configures must unwind it and close the fork server."""
         self._activate()
         self.preload = tuple(dict.fromkeys((*self.preload, *preload)))
-        self.zygote()
+        self.fork_server()
 
     def call_where_ranks_start(self, target: str, argument: str) -> str | None:
         """In a process forked from the fork server, only where one was started (`expect`): starting one
         here would cost the imports it saves. None when it fails or ends without a result."""
-        zygote = self._zygote if self._zygote is not None and self._zygote.alive else None
-        if zygote is None:
+        fork_server = self._fork_server if self._fork_server is not None and self._fork_server.alive else None
+        if fork_server is None:
             return None
         try:
-            return zygote.call(target, argument)
+            return fork_server.call(target, argument)
         except OSError:
             return None
 
@@ -99,14 +99,14 @@ class PoolController:
         usage error before the first test, not the same traceback from every test. Judged where the fork
         server is (where ranks are exec'd, each test still says it): its imports are the ranks'."""
         runnable = [test for test in tests if self.place(test.world_size).skip_reason is None]
-        zygote = self.zygote() if runnable else None  # tests that all skip in the parent start nothing
-        if zygote is None:
+        fork_server = self.fork_server() if runnable else None  # tests that all skip in the parent start nothing
+        if fork_server is None:
             return
         needed = tuple(dict.fromkeys((*RANK_IMPORTS, *(name for test in runnable for name in test.requires))))
         try:
-            problems = zygote.import_problems(needed)
+            problems = fork_server.import_problems(needed)
         except OSError:
-            return  # a zygote that cannot start: the pools fall back to exec'd ranks, and report
+            return  # a fork server that cannot start: the pools fall back to exec'd ranks, and report
         if problems:
             raise pytest.UsageError(unimportable_line(problems, runnable))
 
@@ -188,18 +188,18 @@ class PoolController:
         self._previous_sigterm = (previous,)
 
     # -- pools -----------------------------------------------------------------------------------
-    def zygote(self) -> Zygote | None:
+    def fork_server(self) -> ForkServer | None:
         """The session's fork server, started on first need; None means exec each rank (the fallback
         when it cannot start, or when DDP_CONFORMANCE_SPAWN=exec asks for it)."""
-        if self._zygote is not None and not self._zygote.alive:
-            self._zygote.close()
-            self._zygote = None
-        if self._zygote is None and not self._zygote_failed:
+        if self._fork_server is not None and not self._fork_server.alive:
+            self._fork_server.close()
+            self._fork_server = None
+        if self._fork_server is None and not self._fork_server_failed:
             try:
-                self._zygote = Zygote(start_timeout=self.settings.start_timeout, preload=self.preload)
+                self._fork_server = ForkServer(start_timeout=self.settings.start_timeout, preload=self.preload)
             except OSError:
-                self._zygote_failed = True
-        return self._zygote
+                self._fork_server_failed = True
+        return self._fork_server
 
     # -- decisions made in the parent ------------------------------------------------------------
     @property
@@ -247,26 +247,26 @@ class PoolController:
             rank_threads=self.settings.rank_threads,
             device=self.device_of(backend),
             cuda_devices=self.hardware.cuda_devices if self.device_of(backend) == "cuda" else (),
-            zygote=self.zygote(),
+            fork_server=self.fork_server(),
             group_timeout=self.longest_timeout,
         )
         try:
             pool.launch()
         except OSError:
-            if pool.zygote is None:
+            if pool.fork_server is None:
                 raise
-            self._zygote_failed = True  # fall back to exec'ing each rank
-            pool.zygote = None
+            self._fork_server_failed = True  # fall back to exec'ing each rank
+            pool.fork_server = None
             pool.launch()
         self.pools[key] = pool
         return pool
 
     def prestart(self, world_sizes: list[int]) -> None:
         """Get the ranks of the pools the collected tests will need going while pytest is still setting
-        up: with the zygote, starting it (its torch import) is the slow part; without, the pools."""
+        up: with the fork server, starting it (its torch import) is the slow part; without, the pools."""
         runnable = [size for size in world_sizes if self.place(size).skip_reason is None]
-        if not runnable or self.zygote() is not None:
-            return  # nothing to start (all skip in the parent), or the zygote's start is the slow part
+        if not runnable or self.fork_server() is not None:
+            return  # nothing to start (all skip in the parent), or the fork server's start is the slow part
         for world_size in runnable[:MAX_WARM_POOLS]:
             placement = self.place(world_size)
             if placement.skip_reason is None:
@@ -314,14 +314,14 @@ class PoolController:
         self.close()
 
     def close(self) -> None:
-        """Stop every pool and the zygote, each even when stopping another was interrupted (Ctrl-C,
+        """Stop every pool and the fork server, each even when stopping another was interrupted (Ctrl-C,
         xdist's SIGINT): a pool that is not killed and removed leaves its directory behind."""
         pools, self.pools = list(self.pools.values()), OrderedDict()
-        zygote, self._zygote = self._zygote, None
-        with contextlib.ExitStack() as closing:  # callbacks run last in, first out: the zygote after its pools
+        fork_server, self._fork_server = self._fork_server, None
+        with contextlib.ExitStack() as closing:  # callbacks run last in, first out: the fork server after its pools
             closing.callback(self._restore_sigterm)
-            if zygote is not None:
-                closing.callback(zygote.close)
+            if fork_server is not None:
+                closing.callback(fork_server.close)
             for pool in pools:
                 closing.callback(pool.stop)
 

@@ -1,7 +1,7 @@
 """One rank process as the supervisor sees it: its handle, its channel, its log and its exit.
 
 `ProcessHandle` is what the supervisor needs of a process, whoever started it (`subprocess.Popen` for
-an exec'd rank, the zygote's `ForkedRank` for a forked one).
+an exec'd rank, the fork server's `ForkedRank` for a forked one).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ OUTPUT_KEEP_BYTES = 256 << 10  # ...beyond it, only this much of its head and of
 
 
 class ProcessHandle(Protocol):
-    """What the supervisor needs of a rank process: `subprocess.Popen`, or a zygote's `ForkedRank`."""
+    """What the supervisor needs of a rank process: `subprocess.Popen`, or a fork server's `ForkedRank`."""
 
     pid: int
 
@@ -63,7 +63,7 @@ class RankProcess:
 
     def ended_within(self, timeout: float) -> bool:
         """Whether the process ends within `timeout` seconds. Its pidfd turns readable the moment it
-        exits, before whoever reaps it has: a forked rank is reaped by the zygote, which hears of it
+        exits, before whoever reaps it has: a forked rank is reaped by the fork server, which hears of it
         only between the imports it does while idle (seconds each), and ending a session waited on
         that. Without a pidfd, the handle's own wait."""
         if self.sentinel is None:

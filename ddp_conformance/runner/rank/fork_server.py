@@ -1,7 +1,7 @@
 """The fork-server process ranks are forked from (`python -m ddp_conformance.runner.rank.fork_server`).
 
 It imports what every rank needs (`wire.RANK_IMPORTS`) once, then forks a rank per request of its parent's
-`parent.zygote._Server`; each child becomes a rank (`serve.serve`) without returning into the loop.
+`parent.fork_server._Server`; each child becomes a rank (`serve.serve`) without returning into the loop.
 It is on the rank side because every rank starts as a copy of this process: what it imports, every
 rank has. It reaps its children and reports each exit status to the parent.
 """
@@ -20,13 +20,13 @@ from multiprocessing.connection import Connection
 from ..wire import RANK_IMPORTS, WARMUP, Call, Exited, Fork, Forked, Ready, WarmUp, receive, send
 from . import serve
 
-# wire.WARMUP, once the pool says ranks use it, is imported while the zygote is idle, one module
+# wire.WARMUP, once the pool says ranks use it, is imported while the fork server is idle, one module
 # at a time, so that a fork request never waits long
 WARMUP_AFTER_IDLE = 0.5  # seconds without a request: a pool being started sends its forks back to back
 
 
-def _child(request: Fork | Call, conn: Connection, zygote_pid: int) -> None:
-    """In the forked process: never returns into the zygote's loop."""
+def _child(request: Fork | Call, conn: Connection, fork_server_pid: int) -> None:
+    """In the forked process: never returns into the fork server's loop."""
     code = 1
     try:
         conn.close()
@@ -38,7 +38,7 @@ def _child(request: Fork | Call, conn: Connection, zygote_pid: int) -> None:
         if isinstance(request, Fork):
             os.environ.clear()
             os.environ.update(request.env)
-        os.environ["DDP_CONFORMANCE_PARENT"] = str(zygote_pid)  # taken before the fork: no race
+        os.environ["DDP_CONFORMANCE_PARENT"] = str(fork_server_pid)  # taken before the fork: no race
         serve.die_with_parent()
         code = serve.serve() if isinstance(request, Fork) else _call(request)
     except BaseException:
@@ -92,7 +92,7 @@ def _import_all(names: tuple[str, ...]) -> dict[str, str]:
 
 
 def import_problems(names: str) -> str:
-    """`Zygote.import_problems`' question (a JSON list of module names) asked in a process forked as a
+    """`ForkServer.import_problems`' question (a JSON list of module names) asked in a process forked as a
     rank is: a JSON object of those that raised on import, each with its error."""
     return json.dumps(_import_all(tuple(json.loads(names))))
 

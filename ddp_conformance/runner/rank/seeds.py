@@ -2,7 +2,7 @@
 
 A process started by torchrun seeds torch's default generator, Python's `random` and numpy's global
 RandomState from OS entropy, so two ranks (and two runs) draw different numbers unless the trainer
-seeds them. Ranks forked from one zygote would instead all inherit the zygote's RNG state, and ranks
+seeds them. Ranks forked from one fork server would instead all inherit the fork server's RNG state, and ranks
 reused test after test would inherit whatever the previous test left (often one `manual_seed` on
 every rank): a trainer that builds random data without a seed would then see the same data on every
 rank here and different data per rank in production. So each rank reseeds when it starts and at the

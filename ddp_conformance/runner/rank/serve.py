@@ -1,7 +1,7 @@
 """A rank process's main (pytest-xdist's `remote.py`): join the group once, then serve test after test.
 
 A rank is either exec'd (`python -m ddp_conformance.runner.rank.serve`) or forked by the fork server
-(`fork_server`), which has torch
+(the fork server), which has torch
 imported already; both end up in `serve()`, configured entirely by the environment the pool set.
 Everything that can make a rank outlive pytest is settled first: the parent-death signal, and a check
 that the parent did not die before it was set.
@@ -73,7 +73,7 @@ def serve() -> int:
     from .seeds import fresh_seeds
     from .task_runner import leave_group, quiet_harness_warnings, run_task
 
-    fresh_seeds()  # forked ranks share the zygote's RNG state: each starts from its own, as under torchrun
+    fresh_seeds()  # forked ranks share the fork server's RNG state: each starts from its own, as under torchrun
     quiet_harness_warnings()
     send(channel, Ready(pid=os.getpid()))
     while True:

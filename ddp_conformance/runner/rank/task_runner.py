@@ -73,7 +73,7 @@ def _health(threads_before: set[int]) -> tuple[bool, str, int | None]:
     if world is None:
         return False, "the test destroyed the default process group", None
     # a thread the test left behind may be blocked in a collective of this group, or may kill the
-    # rank during the next test; a rebuild from the zygote costs a tenth of a second
+    # rank during the next test; a rebuild from the fork server costs a tenth of a second
     leftover = [t for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()]
     if leftover:
         return False, f"the test left {len(leftover)} thread(s) running", None

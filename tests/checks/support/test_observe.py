@@ -626,26 +626,26 @@ def test_a_rank_whose_fit_ended_while_another_s_raised_stops_with_it(ddp, tmp_pa
 
 def _held() -> bool:
     """Whether this rank still holds the kept evidence the tests below put there (collective)."""
-    from ddp_conformance.checks.support import kept
+    from ddp_conformance.checks.support import session_evidence
 
-    return kept.kept_or_run(("guarded-fit-evidence",), lambda: "fresh")[1]
+    return session_evidence.kept_or_run(("guarded-fit-evidence",), lambda: "fresh")[1]
 
 
 @pytest.mark.ddp(world_size=2)
 def test_a_fit_that_ends_normally_keeps_the_kept_evidence(ddp, tmp_path):
-    from ddp_conformance.checks.support import kept
+    from ddp_conformance.checks.support import session_evidence
     from ddp_conformance.checks.support.progress import guarded_fit
 
     _held()
     guarded_fit(_context(ddp, tmp_path, stall_after=2.0), "fine", 1, lambda observer: _train_one_step())
     assert _held()
-    kept.forget()
+    session_evidence.forget()
 
 
 @pytest.mark.ddp(world_size=2)
 def test_a_fit_that_raises_drops_the_kept_evidence(ddp, tmp_path):
     """A fit that raised may leave a half-built trainer, RNG or files behind: the next fit starts afresh."""
-    from ddp_conformance.checks.support import kept
+    from ddp_conformance.checks.support import session_evidence
     from ddp_conformance.checks.support.progress import guarded_fit
 
     def fails(observer):
@@ -655,7 +655,7 @@ def test_a_fit_that_raises_drops_the_kept_evidence(ddp, tmp_path):
     with pytest.raises(ValueError):
         guarded_fit(_context(ddp, tmp_path, stall_after=2.0), "raises", 1, fails)
     assert not _held()
-    kept.forget()
+    session_evidence.forget()
 
 
 def test_a_fit_that_ends_between_two_polls_has_its_end_written_before_the_watch_returns(tmp_path):

@@ -1,6 +1,6 @@
 """Evidence of a shared fit is reused only where it is the same fit: the same trainer, configuration,
 plan and group, in the same rank processes, with no fit that raised or hung and no check error since
-(`checks/support/shared_fit.py`, kept by `checks/support/kept.py`)."""
+(`checks/support/shared_fit.py`, kept by `checks/support/session_evidence.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddp_conformance import plan
-from ddp_conformance.checks.support import kept, shared_fit
+from ddp_conformance.checks.support import session_evidence, shared_fit
 from ddp_conformance.config import RunConfig
 from ddp_conformance.trainers.spec import TrainerSpec
 
@@ -47,7 +47,7 @@ def test_the_key_tells_apart_every_trainer_configuration_plan_and_group() -> Non
 
 
 def test_held_evidence_is_reused_by_key_and_dropped_when_forgotten() -> None:
-    kept.forget()
+    session_evidence.forget()
     runs: list[str] = []
 
     def run(name: str) -> Any:
@@ -60,9 +60,9 @@ def test_held_evidence_is_reused_by_key_and_dropped_when_forgotten() -> None:
     assert runs == ["first", "other"]
     assert (first.figures["shared_fits"], again.figures["shared_fits"]) == ({"fit": "ran here"},
                                                                            {"fit": "reused from first"})
-    kept.forget()
+    session_evidence.forget()
     assert shared_fit.held_or_run(context(), "fit", ("a",), run("after")).ran_in == "after"
-    kept.forget()
+    session_evidence.forget()
 
 
 TESTS = """
@@ -70,7 +70,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from types import SimpleNamespace
-from ddp_conformance.checks.support import kept
+from ddp_conformance.checks.support import session_evidence
 from ddp_conformance.checks.support import shared_fit
 
 def context(ddp):
@@ -98,7 +98,7 @@ def test_3_rebuilt_pool_runs_again(ddp):
 @pytest.mark.ddp(world_size=2)
 def test_4_a_rank_that_lost_it_makes_every_rank_run_again(ddp):
     if ddp.rank == 1:
-        kept.forget()
+        session_evidence.forget()
     assert said(ddp, "4") == "ran here"
 """
 

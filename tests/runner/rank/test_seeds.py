@@ -1,5 +1,5 @@
 """Every rank starts each test with its own fresh RNG seeds (torch, random, numpy), as a process that
-torchrun starts would: not the zygote's state shared by every fork, not what the previous test left."""
+torchrun starts would: not the fork server's state shared by every fork, not what the previous test left."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_4_rebuilt_pool(ddp, tmp_path):
 """
 
 
-@pytest.mark.parametrize("spawn", ["zygote", pytest.param("exec", marks=pytest.mark.slow)])  # exec: the fallback
+@pytest.mark.parametrize("spawn", ["fork_server", pytest.param("exec", marks=pytest.mark.slow)])  # exec: the fallback
 def test_ranks_draw_different_numbers_in_every_test_and_pool(pytester: pytest.Pytester, spawn: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     if spawn == "exec":

@@ -1,10 +1,10 @@
-"""The supervisor's pure decisions (parent/supervisor.py), tested without processes."""
+"""The supervisor's pure decisions (parent/rank_pool.py), tested without processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ddp_conformance.runner.parent.supervisor import RankPool
+from ddp_conformance.runner.parent.rank_pool import RankPool
 
 
 def test_group_timeout_never_undercuts_the_longest_test() -> None:

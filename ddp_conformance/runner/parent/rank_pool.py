@@ -36,9 +36,9 @@ from ..wire import (
     receive,
     send,
 )
+from .fork_server import ForkServer
 from .handshake import DiedWhileStarting, Handshake, StartTimeout
 from .process import ProcessHandle, RankProcess, catches_signal
-from .zygote import Zygote
 
 # After one rank has failed, how long the others get to answer before they count as stuck (typically
 # blocked in a collective the failed rank will never join). Long enough for a slow rank to finish its
@@ -110,7 +110,7 @@ class RankPool:
         start_timeout: float,
         rank_threads: int | None,
         cuda_devices: tuple[str, ...] = (),
-        zygote: Zygote | None = None,
+        fork_server: ForkServer | None = None,
         group_timeout: float | None = None,
         device: str | None = None,
     ) -> None:
@@ -122,7 +122,7 @@ class RankPool:
         self.cuda_devices = cuda_devices
         self.ranks: list[RankProcess] = []
         self.workdir: Path | None = None
-        self.zygote = zygote
+        self.fork_server = fork_server
         # collectives must not give up before the test's own wall-clock limit: the supervisor, not
         # the group, decides when a test has hung
         self.group_timeout = max(group_timeout or 0.0, start_timeout, 30.0)
@@ -137,7 +137,7 @@ class RankPool:
 
     def launch(self) -> None:
         """Spawn the ranks and return at once: they import torch and meet while pytest goes on. The
-        start timeout counts from when the last rank exists: a fork first waits for the zygote's
+        start timeout counts from when the last rank exists: a fork first waits for the fork server's
         import of torch, which has a limit of its own and must not eat into the ranks'."""
         self.workdir = Path(tempfile.mkdtemp(prefix=f"ddp-conformance-ws{self.world_size}-"))
         if len(str(self.workdir / "pool.sock")) > 100 and os.path.isdir("/tmp"):  # AF_UNIX path limit
@@ -223,8 +223,8 @@ class RankPool:
         log_path.touch()
         env = self._environment(rank, store)
         handle: ProcessHandle
-        if self.zygote is not None and self.zygote.alive:
-            handle = self.zygote.fork(env, str(log_path))
+        if self.fork_server is not None and self.fork_server.alive:
+            handle = self.fork_server.fork(env, str(log_path))
         else:
             with open(log_path, "wb") as log:
                 handle = subprocess.Popen(
@@ -303,8 +303,8 @@ class RankPool:
         watch.close()
         for proc in self.ranks:
             run.output[proc.rank] = proc.output_since(proc.log_offset)
-        if self.zygote is not None and not self.zygote.warming and any(r.warm for r in run.replies.values()):
-            self.zygote.warm_up()
+        if self.fork_server is not None and not self.fork_server.warming and any(r.warm for r in run.replies.values()):
+            self.fork_server.warm_up()
         return run
 
     @staticmethod
@@ -328,7 +328,7 @@ class RankPool:
     def dead_ranks(self) -> list[str]:
         """Ranks that died since their last answer (a thread a test left behind, an OOM kill...).
         Asked before every test, so the ranks' pidfds are polled at once, without a round trip to
-        the zygote per rank."""
+        the fork server per rank."""
         if all(proc.sentinel is not None for proc in self.ranks):
             watch = _Watch(self.ranks, channels=False)
             _, ended = watch.wait(0)
@@ -336,7 +336,7 @@ class RankPool:
             for proc in self.ranks:
                 if proc.rank in ended:
                     with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.popen.wait(timeout=5)  # exited: let the zygote (maybe mid-import) say how
+                        proc.popen.wait(timeout=5)  # exited: let the fork server (maybe mid-import) say how
             return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if proc.rank in ended]
         return [f"rank {proc.rank} ({proc.exit_description()})" for proc in self.ranks if not proc.alive]
 

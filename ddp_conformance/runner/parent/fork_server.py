@@ -3,9 +3,9 @@
 `import torch` costs 2-3 s of CPU on a small CI runner; a pool of N ranks started by exec pays it N
 times, and again after every failure that forces a rebuild. Forking from a process that has torch
 imported (but never initialised threads, CUDA or a process group) makes a rank's start a few
-milliseconds. The zygote dies with pytest (parent-death signal) and its ranks die with it.
+milliseconds. The fork server dies with pytest (parent-death signal) and its ranks die with it.
 
-Ranks are the zygote's children, so it reaps them and reports each exit status to the pool; the pool
+Ranks are the fork server's children, so it reaps them and reports each exit status to the pool; the pool
 still watches them through pidfds and kills them directly.
 """
 
@@ -36,8 +36,8 @@ class _Server:
             env["PYTHONHASHSEED"] = hash_seed
         # its own words (an import error, say) go to a private log, read back when it fails to start,
         # never onto pytest's terminal
-        self.log_dir = tempfile.mkdtemp(prefix="ddp-conformance-zygote-")
-        self.log_path = os.path.join(self.log_dir, "zygote.log")
+        self.log_dir = tempfile.mkdtemp(prefix="ddp-conformance-fork-server-")
+        self.log_path = os.path.join(self.log_dir, "fork_server.log")
         try:
             with open(self.log_path, "wb") as log:
                 self.popen = subprocess.Popen(
@@ -62,15 +62,15 @@ class _Server:
             return
         try:
             if not self.conn.poll(self.start_timeout):
-                raise OSError(f"the rank zygote did not start within {self.start_timeout:g} s")
+                raise OSError(f"the rank fork server did not start within {self.start_timeout:g} s")
             message = receive(self.conn)
         except (EOFError, OSError) as exc:
             words = self._log_tail()
             self.close()
-            raise OSError(f"the rank zygote failed to start: {exc}{words}") from None
+            raise OSError(f"the rank fork server failed to start: {exc}{words}") from None
         if not isinstance(message, Ready):
             self.close()
-            raise OSError(f"the rank zygote said {message!r} instead of ready")
+            raise OSError(f"the rank fork server said {message!r} instead of ready")
         self.unimportable = message.unimportable
         self.ready = True
 
@@ -95,7 +95,7 @@ class _Server:
                     return message.pid
                 self._note(message)
         except EOFError:
-            raise OSError("the rank zygote is gone") from None
+            raise OSError("the rank fork server is gone") from None
 
     def warm_up(self) -> None:
         with contextlib.suppress(OSError):
@@ -122,7 +122,7 @@ class _Server:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
-class Zygote:
+class ForkServer:
     """The pool's side of the fork servers: two processes, rank 0 forked from one and every other rank
     from the other.
 
@@ -159,7 +159,7 @@ class Zygote:
             for server in self.servers:
                 server.wait_ready()
         except BaseException:
-            self.close()  # the other one too: a zygote that cannot fork every rank is no use
+            self.close()  # the other one too: a fork server that cannot fork every rank is no use
             raise
 
     @property
