@@ -91,8 +91,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 # -- running -----------------------------------------------------------------------------------
 # The item pytest is setting up or running, for the `ddp` fixture: a fixture that asks for `request`
-# makes pytest 9 build a FixtureDef and inspect a signature per test, ~0.4 ms, which is most of
-# what a warm distributed test may cost. pytest runs one item at a time per process (xdist: per worker).
+# makes pytest 9 build a FixtureDef and inspect a signature per test, most of what a warm distributed
+# test may cost (benchmarks/RESULTS.md). pytest runs one item at a time per process (xdist: per worker).
 _current_item: list[pytest.Item] = []
 
 

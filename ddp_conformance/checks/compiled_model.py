@@ -210,8 +210,8 @@ def inductor_settings() -> Any:
       ops (the switch torch's accuracy-debugging docs give for this), so that a model with dropout the check cannot
       set to 0 (a script's functional dropout) draws the eager fit's masks;
     - `compile_threads=1`: the compile runs in the rank's own thread, not in a pool of worker processes the rank
-      waits on, which the hang watchdog took for a stall (a cold compile on a loaded 2-core machine: 8 s without
-      progress) and which would outlive the check."""
+      waits on, which the hang watchdog took for a stall (a cold compile on a loaded machine shows no progress
+      for seconds) and which would outlive the check."""
     import torch._inductor.config as inductor_config  # deferred: imports the compiler
 
     return inductor_config.patch(fallback_random=True, compile_threads=1)

@@ -174,7 +174,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 def _every_rank_raised(ctx: CheckContext) -> bool:
     """Whether every rank's guarded fit ended in an error, read from the ranks' progress files (no collective):
     waited for as long as a fit in which no rank has stopped is given, since a rank that raises later is
-    stopping too (Lightning 2.5 on torch 2.4 took over 4 s to end a fit that raised on every rank)."""
+    stopping too (Lightning 2.5 on torch 2.4 took seconds to end a fit that raised on every rank)."""
     deadline = time.monotonic() + 4 * ctx.stall_after
     directory = ctx.workdir / "progress" / LABEL
     while True:

@@ -27,8 +27,8 @@ class DdpTest:
     requested_size: int | None  # the size it named itself; None when it takes the session's
     timeout: float  # its own limit in seconds, else --ddp-timeout
     # modules imported once, in the fork server, before it forks the session's first ranks: a module
-    # every rank imports itself costs its CPU once per rank (torch._dynamo: ~2.4 s, at a rank's first
-    # optimizer or DDP), and the ranks of a 2-core machine import it side by side
+    # every rank imports itself costs its CPU once per rank (torch._dynamo, at a rank's first optimizer or
+    # DDP: seconds, benchmarks/RESULTS.md), and the ranks of a small machine import it side by side
     preload: tuple[str, ...] = ()
     # modules a rank cannot run this test without (beyond `wire.RANK_IMPORTS`): where the fork server
     # cannot import one, the session stops before its first test with one line naming it, instead of

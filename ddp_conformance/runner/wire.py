@@ -38,7 +38,7 @@ STACK_DUMP_SIGNAL: Final = signal.SIGUSR1
 # where rank 0 writes what its test says it is doing (`DdpContext.status`): a file, not the result
 # channel, which carries one answer per test; the parent reads it while it waits and prints it
 STATUS_FILE_ENV: Final = "DDP_CONFORMANCE_STATUS_FILE"
-# what a rank imports late and dearly (torch._dynamo: ~2.4 s of CPU, at its first optimizer or DDP).
+# what a rank imports late and dearly (torch._dynamo, at its first optimizer or DDP: seconds of CPU).
 # Once a rank says it has it, the fork server imports it while idle, so that ranks forked later start
 # with it; a session whose tests never need it never pays for it (most of this project's own)
 WARMUP: Final = ("torch._dynamo",)

@@ -127,7 +127,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         dataset = own.make_dataset(max(config.data.size, per_rank * ctx.world_size))
         start = ctx.rank * per_rank
         batch = own.collate([dataset[i] for i in range(start, start + per_rank)])
-        # a full collection scans every object of the process (0.3 s once torch._dynamo is imported);
+        # a full collection scans every object of the process (a large part of a second once torch._dynamo is in);
         # frozen (garbage included: it then cannot be freed in the middle of a measured run), the old
         # objects are skipped and the collections between runs only see the runs' own
         gc.freeze()
@@ -188,7 +188,7 @@ def _read_without_a_step(ctx: CheckContext, own: Any, declared: bool | None) -> 
     if not any(flag for _, flag in gathered):
         return "off", read
     # to be measured: the DDP just read off wrap (its model, its buckets) must not be freed inside a measured
-    # step; a full collection costs ~0.4 s once torch._dynamo is imported, so only here
+    # step; a full collection is costly once torch._dynamo is imported, so only here
     gc.collect()
     return None
 

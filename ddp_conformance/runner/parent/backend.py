@@ -35,10 +35,10 @@ def _gpu_device_nodes() -> bool:
 
 def probe_hardware() -> Hardware:
     """Ask torch what this process may use. On a Linux machine with no GPU device node at all, the
-    answer is known without importing torch (2-3 s on a small CI runner), so the parent skips it."""
+    answer is known without importing torch (seconds on a small CI runner), so the parent skips it."""
     if sys.platform.startswith("linux") and not _gpu_device_nodes():
         return Hardware(cuda_devices=(), nccl_available=None)
-    import torch  # deferred: 2-3 s, paid only when a distributed test is about to run
+    import torch  # deferred: seconds, paid only when a distributed test is about to run
     import torch.distributed as dist
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -223,7 +223,7 @@ class ForkServer:
     def close(self) -> None:
         """Kill them: they hold nothing worth a goodbye (their pools are stopped first), and asking one
         to leave cost a session seconds (it hears only between its idle-time imports, and a Python
-        that has imported torch takes 1-3 s to tear itself down)."""
+        that has imported torch takes seconds to tear itself down)."""
         with contextlib.ExitStack() as closing:  # every one, even when closing another is interrupted
             for server in self.servers:
                 closing.callback(server.close)

@@ -310,7 +310,7 @@ class PoolController:
     def session_finished(self) -> None:
         """Release the pools before pytest-xdist hears that this worker finished: from then on xdist
         gives a worker 5 s to end (then SIGINT, then os._exit), and a slow plugin's terminal summary
-        (hypothesis': ~5 s here) would spend them, leaving the pools' directories behind."""
+        (hypothesis' can take as long) would spend them, leaving the pools' directories behind."""
         self.close()
 
     def close(self) -> None:

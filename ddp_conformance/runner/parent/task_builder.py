@@ -81,9 +81,9 @@ def _pickled_funcargs(args: dict[str, Any]) -> bytes:
 class _LocalModuleIndex:
     """The user's modules (under rootdir, not installed packages) the parent imported, by name.
 
-    Asked once per distributed test. A scan of every module in `sys.modules` cost ~3 ms a test,
-    and even comparing `sys.modules` with a copy cost 0.2 ms (thousands of module objects out of
-    cache), so the answer is kept while `sys.modules` keeps its size and its newest entry: an import
+    Asked once per distributed test. A scan of every module in `sys.modules`, and even comparing
+    `sys.modules` with a copy (thousands of module objects out of cache), cost a warm test more than the rest of
+    it (benchmarks/RESULTS.md), so the answer is kept while `sys.modules` keeps its size and its newest entry: an import
     adds at the end, a removal shrinks it. (A module replaced in place under an older name is not
     seen; pytest's importers never do that.) A rescan looks again only at new module objects."""
 

@@ -128,4 +128,4 @@ def main(fd: int, preload: list[str]) -> int:
 if __name__ == "__main__":
     code = main(int(sys.argv[1]), sys.argv[2:])
     sys.stdout.flush()
-    os._exit(code)  # no teardown of torch's modules (1-3 s of CPU): nothing here needs it
+    os._exit(code)  # no teardown of torch's modules (seconds of CPU): nothing here needs it

@@ -97,4 +97,4 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # as a forked rank ends: no 1-3 s teardown of torch's modules while the pool waits
+    os._exit(code)  # as a forked rank ends: no teardown of torch's modules (seconds) while the pool waits

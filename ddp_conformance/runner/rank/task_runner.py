@@ -93,7 +93,8 @@ def _raw_environ() -> dict[bytes, bytes] | None:
 class PoolEnviron:
     """The environment the pool gave this rank, put back after every test (Lightning's teardown
     deletes WORLD_SIZE, for one). Compared before anything is rewritten: rewriting ~50 variables
-    cost a rank 0.3 ms a test, on the critical path of every distributed test."""
+    cost a rank more than the rest of a warm test's own work (benchmarks/RESULTS.md), on the critical path of
+    every distributed test."""
 
     def __init__(self) -> None:
         raw = _raw_environ()
