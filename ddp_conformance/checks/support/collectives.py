@@ -142,6 +142,19 @@ def waiting_in(collectives: list[Collective] | None) -> Collective | None:
     return pending[0] if pending else None
 
 
+def stuck(dumps: list[list[Collective] | None], stopped: list[bool]) -> tuple[bool, bool]:
+    """(blocked, parted) of a stalled fit, from every rank's record (`read_all`; empty where this rank has none):
+    blocked, every rank waits in a collective; parted, every rank waits in one or has left its fit (`stopped`),
+    some rank waits, and the records part. A rank in no collective that is still in its fit may be reading its
+    data: neither."""
+    if not dumps:
+        return False, False
+    waiting = [waiting_in(c) is not None for c in dumps]
+    parted = any(waiting) and all(w or out for w, out in zip(waiting, stopped, strict=True)) \
+        and bool(first_parting(dumps))
+    return all(waiting), parted
+
+
 def where(dumps: list[list[Collective] | None], micro_batches: list[int | None]) -> str:
     """Each rank's collective, in words: "rank 0 waits in all_reduce #41 of group default_pg (7; train.py:88
     (evaluate)); rank 1 waits in DDP's gradient all-reduce #41 ... (10; backward of micro-batch 7 at ...)";

@@ -463,13 +463,11 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
         peer_failed = any(p is not None and p.state == "error" for p in progress)
         if idle >= min(ctx.stall_after, PARTED_STALL) and not recorded:
             recorded = collectives.dump(own_record)
-        records = collectives.read_all(own_record.parent, ctx.world_size) if recorded else []
         # every rank blocked in a collective: a hang, told in the stall window and not four of them; and where
         # their records part (a collective some rank runs that the others never join), in PARTED_STALL
-        blocked = bool(records) and all(collectives.waiting_in(c) for c in records)
-        parted = bool(records) and any(collectives.waiting_in(c) for c in records) and all(
-            collectives.waiting_in(c) or (p is not None and p.stopped) for c, p in zip(records, progress, strict=True)
-        ) and bool(collectives.first_parting(records))
+        blocked, parted = collectives.stuck(
+            collectives.read_all(own_record.parent, ctx.world_size) if recorded else [],
+            [p is not None and p.stopped for p in progress])
         threshold = (min(ctx.stall_after, FAILED_PEER_STALL) if peer_failed
                      else min(ctx.stall_after, PARTED_STALL) if parted
                      else ctx.stall_after if some_stopped or blocked else 4 * ctx.stall_after)
