@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ddp_conformance.selection import CHECK_IDS, DEFAULT_CHECKS
+
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT_BYTES = 15 * 1024
 DOCS = sorted([ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "RESULTS.md",
-               *(ROOT / "docs").glob("*.md")])
+               *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "checks").glob("*.md")])
 MUTANTS = ROOT / "fixtures" / "mutants"
 CATALOGUE_HEADING = "## Proof that the checks can fail: the mutant catalogue"
 # repository paths a doc names in backticks, checked to exist (a folder ends with "/")
@@ -78,13 +80,66 @@ def test_the_mutant_catalogue_names_every_fixture_and_only_those():
     assert fixtures - named == set(), f"fixtures missing from docs/checks.md's catalogue: {sorted(fixtures - named)}"
 
 
-def test_every_fixture_the_checks_page_cites_exists():
-    text = (ROOT / "docs" / "checks.md").read_text()
+def test_every_fixture_the_checks_pages_cite_exists():
+    pages = [ROOT / "docs" / "checks.md", *(ROOT / "docs" / "checks").glob("*.md")]
+    text = "\n".join(page.read_text() for page in pages)
     cited = {name for phrase in re.findall(r"fixtures? ((?:`\w+`(?:, | and |, and )?)+)", text)
              for name in re.findall(r"`(\w+)`", phrase)}
     known = {path.stem for path in (ROOT / "fixtures").glob("*/*.py")}
-    assert cited, "docs/checks.md cites no fixture by name"
-    assert cited <= known, f"docs/checks.md cites fixtures that do not exist: {sorted(cited - known)}"
+    assert cited, "the checks' pages cite no fixture by name"
+    assert cited <= known, f"the checks' pages cite fixtures that do not exist: {sorted(cited - known)}"
+
+
+#: a check page's lists of the fixtures that prove it, each line "- LABEL: `a`, `b`", in this order
+FIXTURE_LISTS = {"breaks": "must fail it",
+                 "breaks_on_cuda": "must fail it on a GPU (on a CPU it cannot judge them)",
+                 "controls": "correct in an unusual way, must pass it",
+                 "skips": "cannot be judged by it, and skips saying why"}
+FIXTURES_HEADING = "## The fixtures that prove it"
+
+
+def fixtures_proving(check: str) -> dict[str, list[str]]:
+    """What the fixtures declare of `check` (`tests/checks/test_suite.py` holds each to it): those that break it, on
+    every device or on a GPU only; the controls it concerns; those it cannot judge."""
+    from tests.checks.test_suite import declared  # deferred: test_suite imports the checks
+
+    found: dict[str, list[str]] = {key: [] for key in FIXTURE_LISTS}
+    for path in sorted(MUTANTS.glob("*.py")):
+        if declared(path, "CONTROL", ""):
+            if check in set(declared(path, "CONCERNS", DEFAULT_CHECKS)):
+                found["controls"].append(path.stem)
+            continue
+        if check in declared(path, "BREAKS"):
+            found["breaks"].append(path.stem)
+        elif check in declared(path, "BREAKS_ON_CUDA", set()):
+            found["breaks_on_cuda"].append(path.stem)
+        if check in declared(path, "SKIPS", {}):
+            found["skips"].append(path.stem)
+    return found
+
+
+def check_page_fixtures(found: dict[str, list[str]]) -> str:
+    """The section a check page ends with, listing `fixtures_proving`'s fixtures."""
+    catalogue = "../checks.md#proof-that-the-checks-can-fail-the-mutant-catalogue"
+    lines = [FIXTURES_HEADING, "", f"In `fixtures/mutants/` ([the catalogue]({catalogue}) says what each gets wrong); "
+             "`tests/checks/test_suite.py` holds each to what it declares.", ""]
+    lines += [f"- {label}: " + (", ".join(f"`{name}`" for name in found[key]) or "none")
+              for key, label in FIXTURE_LISTS.items()]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("check", CHECK_IDS)
+def test_each_check_has_a_page_that_lists_the_fixtures_proving_it(check: str):
+    """docs/checks/<id>.md ends with the fixtures that prove the check, as they declare it; docs/checks.md and
+    README's table link it."""
+    text = (ROOT / "docs" / "checks" / f"{check}.md").read_text()
+    assert text.startswith(f"# {check}"), f"docs/checks/{check}.md does not begin with its id"
+    assert FIXTURES_HEADING in text, f"docs/checks/{check}.md has no section {FIXTURES_HEADING!r}"
+    section = FIXTURES_HEADING + text.split(FIXTURES_HEADING, 1)[1].split("\n## ", 1)[0]
+    assert section.rstrip() == check_page_fixtures(fixtures_proving(check))
+    for index in ("docs/checks.md", "README.md"):
+        assert f"[`{check}`]({'checks/' if index.startswith('docs') else 'docs/checks/'}{check}.md)" in (
+            ROOT / index).read_text(), f"{index} does not link {check}'s page"
 
 
 def test_the_architecture_doc_shows_the_tree():

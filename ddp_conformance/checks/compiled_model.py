@@ -2,7 +2,7 @@
 eager fit ends.
 
 The guides compile the model for speed and promise the same training. What breaks that silently
-(measured, docs/checks.md): the graph dynamo traces at the first compiled forward holds the module hooks
+(measured, docs/checks/compiled_model.md): the graph dynamo traces at the first compiled forward holds the module hooks
 present then, and dynamo does not guard on module hooks (`torch._dynamo.config.skip_nnmodule_hook_guards`,
 on by default), so a hook a trainer registers later (a regulariser switched on after a warm-up, a clamp
 added for stability) runs in the eager model and never in the compiled one.
@@ -55,7 +55,8 @@ from .support.reproducible import require_agreement, require_reproducible
 STEPS = shared_fit.STEADY_STEPS
 #: the largest relative difference per tensor between the compiled and the eager fit that counts as rounding, by
 #: precision: measured on CPU (gloo, world size 2, torch 2.13) up to 2.7e-6 in fp32 on both references with
-#: basic.yaml, 4.7e-5 on Lightning's demo transformer, and 5.9e-4 in bf16-mixed with advanced.yaml (docs/checks.md);
+#: basic.yaml, 4.7e-5 on Lightning's demo transformer, and 5.9e-4 in bf16-mixed with advanced.yaml
+#: (docs/checks/compiled_model.md);
 #: the mutants part by 0.0036 (a penalty on one step of three) to 0.42
 TOLERANCE = {"32": 1e-3, "32-true": 1e-3, "bf16-mixed": 5e-3}
 #: the DDP graph splitter a compiled DDP model runs through (torch/_dynamo/backends/distributed.py)
@@ -92,7 +93,7 @@ class CompileOnWrap(FitObserver):
 
     def hooks_registered(self) -> list[str]:
         """The module hooks registered after the first forward, as "forward hook f on '0'" (a hook removed then is
-        seen by the compiled graph: measured, docs/checks.md)."""
+        seen by the compiled graph: measured, docs/checks/compiled_model.md)."""
         if self.model is None or self.hooks_at_wrap is None:
             return []
         now = module_hooks(self.model)

@@ -118,7 +118,7 @@ def _disturb_rng(rank: int) -> None:
 
 
 CPU_MANY_RANKS_RTOL = 5e-5  # ~10x the largest measured difference: 4.9e-6 (ws 3, basic.yaml, BatchNorm), 1.2e-7 (ws 4)
-CUDA_RTOL = 1e-4  # measured bitwise on an H200 (docs/checks.md); room for nondeterministic kernels
+CUDA_RTOL = 1e-4  # measured bitwise on an H200 (docs/checks/resume_fidelity.md); room for nondeterministic kernels
 
 
 def tolerance(ctx: CheckContext) -> float:

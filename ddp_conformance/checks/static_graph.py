@@ -3,7 +3,7 @@ it; where the config leaves it off, whether the trainer's model could take it.
 
 The guides turn `static_graph: true` on "if the model structure is fixed", for speed: DDP records the
 first iteration's graph (which parameters get gradients) and relies on it from the second iteration
-on. What breaks it, measured on torch 2.13 (docs/checks.md): a parameter used in some iterations and
+on. What breaks it, measured on torch 2.13 (docs/checks/static_graph.md): a parameter used in some iterations and
 not in others ("Your training graph has changed", or "Expected to have finished reduction" one
 iteration later), and `no_sync` in the first iteration, as stock Lightning's DDPStrategy does with
 `accumulate_grad_batches > 1` (an INTERNAL ASSERT in DDP's reducer, pytorch#143580). All of these
@@ -16,7 +16,7 @@ config's setting) and the same fit with the setting flipped. The fit without a s
 consistently unused (which a static graph handles) trains there too. The two final states
 (parameters and buffers) are compared per tensor, relative to each tensor's largest value, within
 `TOLERANCE` (an all-reduce per micro-batch against one per accumulation window sums in another
-order; measured: docs/checks.md). The static fit's DDP must report the flag.
+order; measured: docs/checks/static_graph.md). The static fit's DDP must report the flag.
 
 The setting judged is the trainer's own: its config after its own `setup` (the `--ddp-config` file,
 or what the trainer made of it).
@@ -58,7 +58,7 @@ from .support.reproducible import require_reproducible
 STEPS = shared_fit.STEADY_STEPS
 #: the largest relative difference per tensor between the two fits that counts as summation order: measured on
 #: CPU (gloo) up to 4.6e-7 on the references, every config, and 6.2e-6 on Lightning's demo transformer at world
-#: size 3, 2.6e-7 on an H100 (docs/checks.md); no model was seen to train differently with a static graph
+#: size 3, 2.6e-7 on an H100 (docs/checks/static_graph.md); no model was seen to train differently with a static graph
 #: without raising
 TOLERANCE = 1e-4
 ISSUE_143580 = "https://github.com/pytorch/pytorch/issues/143580"

@@ -1,6 +1,6 @@
 """static_graph's cause for a static fit that raised, from what the recorder saw before the error.
 
-The errors are DDP's own first lines on torch 2.13 (measured: docs/checks.md, "static_graph"); the
+The errors are DDP's own first lines on torch 2.13 (measured: docs/checks/static_graph.md); the
 fixtures in fixtures/mutants/ raise the no_sync one for real (lightning_static_graph_accumulates).
 """
 

@@ -47,9 +47,9 @@ from .resized_rank import DropoutOff, ResizedJob, unsynced_batchnorm
 
 #: the largest relative difference per tensor between the uninterrupted fit and a resume at another world size that
 #: counts as the summation order of the gradient average: measured 1.0e-7 (world size 2 resumed at 1 and 4, the class,
-#: Lightning and script controls, CPU, torch 2.13; docs/checks.md); resume_fidelity's bound on CUDA, as room for a
-#: larger model, where AdamW turns the rounding of a gradient near zero into a whole step of another sign. The
-#: learning-rate mutant parts by 0.42
+#: Lightning and script controls, CPU, torch 2.13; docs/checks/elastic_resume.md); resume_fidelity's bound on CUDA, as
+#: room for a larger model, where AdamW turns the rounding of a gradient near zero into a whole step of another sign.
+#: The learning-rate mutant parts by 0.42
 TOLERANCE = 1e-4
 #: the least and the most time a resized group gets to start its ranks (each imports torch and the trainer) and
 #: resume (4x the stall time between): the check's other ranks wait for rank 0 in a collective meanwhile, within the

@@ -1,7 +1,7 @@
 """gradient_equivalence's tolerance, by the precision the step was observed to run at and the device.
 
-Only measured (precision, device) pairs, bounds ~5-50x the largest delta seen (docs/checks.md): CPU fp32
-1.1e-7, bf16-mixed 3.8e-3 (a config's 16-mixed on CPU runs as bf16-mixed: Lightning and reconcile() say so);
+Only measured (precision, device) pairs, bounds ~5-50x the largest delta seen (docs/checks/gradient_equivalence.md):
+CPU fp32 1.1e-7, bf16-mixed 3.8e-3 (a config's 16-mixed on CPU runs as bf16-mixed: Lightning and reconcile() say so);
 CPU 16-mixed, a torchrun script's own fp16 autocast with a GradScaler, 4.7e-4 at world size 2 and 6.9e-4 at
 3 (fixtures/mutants/script_fp16_clips_after_unscale.py; its bf16 twin, script_bf16_autocast.py, 2.9e-3 and
 6.1e-3); CUDA (an H200, world size 2 on one GPU) fp32 1.8e-7, bf16-mixed 3.8e-3, 16-mixed 7.0e-4;

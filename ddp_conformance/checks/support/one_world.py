@@ -188,7 +188,7 @@ def world_of_one() -> Iterator[None]:
     the names the trainer's modules imported (`from torch.distributed import get_world_size [as ws]`),
     and WORLD_SIZE/RANK/LOCAL_RANK/LOCAL_WORLD_SIZE say so too, so a loss scaled by the world size, or by
     a count summed over ranks, is not scaled in the reference it is compared with. (A name bound elsewhere,
-    in a closure or a default argument, keeps the real value: docs/checks.md.)"""
+    in a closure or a default argument, keeps the real value: docs/checks/gradient_equivalence.md.)"""
 
     replaced = stand_ins()
     originals = {id(getattr(dist, name)): (getattr(dist, name), stand_in) for name, stand_in in replaced.items()}
