@@ -5,7 +5,7 @@ Torch-free, like `selection`: a pytest plugin of its own, it prints the plan onc
 collected, before the first fit (`pytest_collection_finish`): a summary, each check's fits under -v, nothing
 under -q. The checks plan their long fit with `plan_steps` (`checks/support/shared_fit.py`), and
 every fit a check runs is recorded under its figures' "fits" (`checks/support/progress.guarded_fit`):
-tests/checks/test_plan.py holds what the checks ran to what `CHECK_FITS` declares.
+tests/test_plan.py holds what the checks ran to what `CHECK_FITS` declares.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ import pytest
 from ddp_conformance.checks import CHECK_IDS, DEFAULT_CHECKS
 from ddp_conformance.checks.support import collectives
 from ddp_conformance.suite.report import schema
-from tests.checks.test_plan import assert_as_planned
-from tests.checks.test_report import assert_fits_and_nothing_is_cut
+from tests.suite.test_report import assert_fits_and_nothing_is_cut
+from tests.test_plan import assert_as_planned
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = sorted((ROOT / "fixtures" / "mutants").glob("*.py"))
