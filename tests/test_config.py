@@ -8,8 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ddp_conformance.config import ConfigError, RunConfig, StrategyConfig, load_config, reconcile
-
-from .support import CONFIG_FILES, CONFIGS
+from tests.trainers.support import CONFIG_FILES, CONFIGS
 
 
 def write(tmp_path, text: str, name: str = "basic.yaml"):
