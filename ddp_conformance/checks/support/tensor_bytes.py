@@ -92,9 +92,9 @@ def bit_sums(tensors: list[torch.Tensor]) -> list[int | bytes | memoryview]:
     is split; one changed element always moves it (by its change in bits, times 2**32 in a word's high half), while
     two changes can cancel (one element a bit up, another the same bit down).
 
-    The sum runs over 8-byte words where the tensor's bytes are a whole number of them (a float32 tensor read as
-    int64 is reduced at twice the rate of one read element by element) and over elements otherwise: a choice made
-    by the dtype and number of elements, never by the layout, so that equal values give equal sums."""
+    The sum runs over 8-byte words (a float32 tensor read as int64 is reduced at twice the rate of one read element
+    by element), and over the elements of a last part word: a split made by the dtype and number of elements, never
+    by the layout, so that equal values give equal sums."""
     sums: list[Any] = [_bit_sum_or_bytes(t) for t in tensors]
     on_device: dict[torch.device, list[int]] = {}
     for index, value in enumerate(sums):
@@ -126,16 +126,19 @@ def _bit_sum_or_bytes(t: torch.Tensor) -> torch.Tensor | bytes | memoryview:
 
 
 def _bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """The bits of the tensor's leading whole 8-byte words summed as int64, plus its remaining elements' bits (fewer
+    than 8 bytes), each as an integer of its size: the split follows from the dtype and count alone."""
     flat = t.detach().reshape(-1)
     if not flat.numel():
         return torch.zeros((), dtype=torch.int64, device=flat.device)
-    if flat.stride(0) != 1:
+    if flat.stride(0) != 1 or flat.data_ptr() % 8:  # a step's stride, or a view at an odd offset in its storage
         flat = flat.clone(memory_format=torch.contiguous_format)
-    if flat.numel() * flat.element_size() % 8 == 0:
-        if flat.data_ptr() % 8:  # a view at an odd offset in its storage cannot be read as words
-            flat = flat.clone(memory_format=torch.contiguous_format)
-        return flat.view(torch.int64).sum()
-    return flat.view(_ELEMENT_INTS[flat.element_size()]).sum(dtype=torch.int64)
+    size = flat.element_size()
+    whole = flat.numel() * size // 8 * 8 // size  # the elements in whole words
+    words = flat[:whole].view(torch.int64).sum() if whole else torch.zeros((), dtype=torch.int64, device=flat.device)
+    if whole == flat.numel():
+        return words
+    return words + flat[whole:].view(_ELEMENT_INTS[size]).sum(dtype=torch.int64)
 
 
 def _dense_cpu(tensor: torch.Tensor) -> torch.Tensor:
