@@ -43,9 +43,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, d
 
 from ..adapter import FitObserver, RankContext, StepInfo, TrainerAdapter, TrainState
 from ..config import ModelConfig, RunConfig
-from ..resumable import (  # noqa: F401  (gather_rng_states: re-exported for the Lightning reference)
+from ..resumable import (
     ResumableDataLoader,
-    capture_rng_state,
     gather_rng_states,
     restore_rng_state,
     rng_state_for_rank,
