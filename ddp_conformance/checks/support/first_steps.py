@@ -59,7 +59,8 @@ def final_floats(state: TrainState) -> dict[str, Any]:
     """A fit's final floating-point tensors (parameters and buffers) by name, on the CPU: what two fits
     that differ by one setting are compared by (`gradients.max_delta`). In their own precision, half
     types in float32: the difference of two floats within a factor 2 of each other is exact in their
-    precision (Sterbenz), and a float64 copy of the demo transformer's 58 MB took 0.19 s a state."""
+    precision (Sterbenz), and a float64 copy of a large model costs a visible share of the check
+    (benchmarks/RESULTS.md)."""
     return {name: t.detach().to("cpu", torch.float32 if t.element_size() < 4 else t.dtype)
             for name, t in state.params.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
 

@@ -21,7 +21,8 @@ from .one_world import world_of_one
 def grads_of(model: Any) -> dict[str, Any]:
     """The model's gradients by name, CPU copies in float32 or wider (half types widened). A difference or a
     largest value of two float32 tensors rounds to 6e-8 of itself, far inside any tolerance here; sums over
-    whole models (`scale_ratio`) are taken in float64. (float64 copies of 58 MB took 0.3 s a rank.)"""
+    whole models (`scale_ratio`) are taken in float64, not whole copies (a float64 copy of a large model is slow:
+    benchmarks/RESULTS.md)."""
     return {name: (_widened(p.grad.detach().to("cpu", copy=True)) if p.grad is not None else None)
             for name, p in unwrapped(model).named_parameters() if p.requires_grad}
 

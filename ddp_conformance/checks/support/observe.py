@@ -960,8 +960,8 @@ def _through(index_map: list[int] | None, index: int) -> int:
 
 
 def nonzero(tensor: Any) -> bool:
-    """Whether any element is nonzero: `count_nonzero` reads a dense CPU tensor ~3.5x faster than
-    `any()` (5 vs 19 ms for 32 MB, measured), which the recorder pays at every step of a fit whose
+    """Whether any element is nonzero: `count_nonzero` reads a dense CPU tensor several times faster than
+    `any()` (benchmarks/RESULTS.md), which the recorder pays at every step of a fit whose
     first gradient is an embedding's, mostly zero rows; sparse tensors keep `any()`."""
     return bool(tensor.count_nonzero()) if tensor.layout == torch.strided else bool(tensor.any())
 

@@ -99,7 +99,7 @@ class Progress:
 class ProgressObserver(FitObserver):
     """Keeps this rank's progress at every event, then forwards to an inner observer; the watching
     thread writes it to the rank's file (`flush`). Written from the fit's thread at every event
-    (JSON and an atomic rename, ~1 ms each), it took 18% of the fits' time in the conformance suite;
+    (JSON and an atomic rename each), it took a large share of the fits' time (benchmarks/RESULTS.md);
     a poll writes it at most every POLL_SECONDS, well inside any stall_after, and also while the fit's
     thread is blocked in a collective, which is when it matters."""
 
