@@ -48,7 +48,7 @@ import pytest
 from ..adapter import TrainerAdapter, TrainState
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
-from .support.check_context import CheckContext, CheckFailed, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict, rounded
 from .support.first_steps import final_floats, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
@@ -111,16 +111,16 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         if relative > worst[0] or worst[2] is None:
             worst = (relative, name, cap)
     figures.update(max_rel_delta=worst[0], worst_parameter=worst[1], worst_cap_mb=worst[2],
-                   tolerance_measured_on=MEASURED_ON, summary=f"max rel delta {fmt(worst[0])}")
+                   tolerance_measured_on=MEASURED_ON, summary=f"max rel delta {rounded(worst[0])}")
     if ctx.rank_ctx.device_type not in MEASURED_ON:
-        ctx.note(f"the tolerance {fmt(TOLERANCE)} was measured on {', '.join(MEASURED_ON)} only, not on "
+        ctx.note(f"the tolerance {rounded(TOLERANCE)} was measured on {', '.join(MEASURED_ON)} only, not on "
                  f"{ctx.rank_ctx.device_type}")
     if worst[0] > TOLERANCE:
         require_reproducible(ctx, "bucket_cap_mb", TOLERANCE)  # fits that agree show the fit repeats; these part
         base = f"{configured:.3g} MB" if configured is not None else "DDP's default cap"
         raise ctx.fail(f"the gradients depend on bucket_cap_mb: after {STEPS} steps with {worst[2]:.3g} MB buckets "
-                       f"{worst[1]} differs from the fit with {base} by {fmt(worst[0])} of its largest value "
-                       f"(summation order allows {fmt(TOLERANCE)}): something acts on each bucket as a whole (a "
+                       f"{worst[1]} differs from the fit with {base} by {rounded(worst[0])} of its largest value "
+                       f"(summation order allows {rounded(TOLERANCE)}): something acts on each bucket as a whole (a "
                        "communication hook that clips, scales, compresses or drops per bucket?)", **figures)
     return figures
 

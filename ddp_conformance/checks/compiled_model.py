@@ -45,7 +45,7 @@ from torch import nn
 from ..adapter import FitObserver, TrainState
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
-from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.first_steps import dropout_layers, final_floats, zero_dropout
 from .support.gradients import max_delta
 from .support.observe import unwrapped
@@ -266,8 +266,8 @@ def _chain(error: BaseException) -> list[BaseException]:
 
 
 def _apart(name: str, relative: float, tolerance: float, hooks: list[str]) -> str:
-    apart = (f"after {STEPS} steps {name} differs by {fmt(relative)} of its largest value from the eager fit's "
-             f"(compiled kernels' rounding allows {fmt(tolerance)})")
+    apart = (f"after {STEPS} steps {name} differs by {rounded(relative)} of its largest value from the eager fit's "
+             f"(compiled kernels' rounding allows {rounded(tolerance)})")
     if not hooks:
         return f"under torch.compile the fit trains another model than eager: {apart}"
     return (f"the fit registers module hooks after its first forward ({'; '.join(hooks[:3])}), which the graph "

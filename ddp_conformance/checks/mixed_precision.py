@@ -55,7 +55,7 @@ from ..adapter import NotProvided
 from .gradient_equivalence.tolerance import precision_seen
 from .support import shared_fit
 from .support.amp_watch import AmpRecord
-from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.first_steps import first_step, without_dropout
 from .support.gradients import scale_ratio
 from .support.reproducible import require_reproducible
@@ -167,14 +167,14 @@ def _against_fp32(ctx: CheckContext, precision: str, adapter: Any) -> dict[str, 
     relative, name = relative_difference(mixed, full)
     noise = NOISE.get(device, {}).get(precision)
     figures: dict[str, Any] = {"precision": precision, "max_rel_delta": relative, "largest_measured": noise,
-                               "parameter": name, "summary": f"step {fmt(relative)} from fp32"}
+                               "parameter": name, "summary": f"step {rounded(relative)} from fp32"}
     failing = [v for v in all_gather(_verdict(precision, mixed, full, relative)) if v]
     if failing:
         raise ctx.fail(failing[0], **figures)
     if noise is not None and relative > noise:
-        ctx.note(f"the {precision} step differs from the fp32 step by {fmt(relative)} of its norm, most at parameter "
-                 f"{name}: more than the {fmt(noise)} measured on {device} (ill-conditioned layers, as BatchNorm over "
-                 "few samples, or more of the step in low precision than autocast runs)")
+        ctx.note(f"the {precision} step differs from the fp32 step by {rounded(relative)} of its norm, most at "
+                 f"parameter {name}: more than the {rounded(noise)} measured on {device} (ill-conditioned layers, as "
+                 "BatchNorm over few samples, or more of the step in low precision than autocast runs)")
     return figures
 
 
@@ -195,10 +195,10 @@ def _verdict(precision: str, mixed: dict[str, Any], full: dict[str, Any], relati
                 "the precision changes the model")
     if relative <= REACHES:
         return (f"trainer.precision {precision} never reaches the model: the first step's gradients are the fp32 "
-                f"gradients (max relative difference {fmt(relative)}), so the forward does not run under autocast")
+                f"gradients (max relative difference {rounded(relative)}), so the forward does not run under autocast")
     ratio, residual = scale_ratio(mixed, full)
     if ratio >= SCALED and residual <= RESIDUAL:
-        return (f"the {precision} gradients are {fmt(ratio)}x the fp32 gradients: a loss scale is never divided out "
-                "before the optimizer step (call scaler.step(optimizer), or scaler.unscale_(optimizer) before "
+        return (f"the {precision} gradients are {rounded(ratio)}x the fp32 gradients: a loss scale is never divided "
+                "out before the optimizer step (call scaler.step(optimizer), or scaler.unscale_(optimizer) before "
                 "anything reads the gradients; a static loss scale needs its division too)")
     return ""

@@ -32,7 +32,7 @@ from ..adapter import TrainState
 from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
-from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.model_state import OUTSIDE, drifted, trained
 from .support.observe import FitRecord
 from .support.progress import PeerFitFailed, Progress, guarded_fit
@@ -166,7 +166,7 @@ def _divergence(mine: dict[str, Any], wrapped: str, is_ddp: bool | None, micro: 
     deltas = {name: max((_delta(tensor, other.get(name)) for other in everyone[1:]), default=0.0)
               for name, tensor in everyone[0].items()}
     worst = max(deltas, key=lambda name: deltas[name])
-    where = f"{worst.removeprefix(OUTSIDE)} max |delta| {fmt(deltas[worst])}"
+    where = f"{worst.removeprefix(OUTSIDE)} max |delta| {rounded(deltas[worst])}"
     inside = [name for name, d in deltas.items() if d and not name.startswith(OUTSIDE)]
     differing = {name for name, d in deltas.items() if d}
     if inside and differing <= {name for trail in trails or [] for name in trail.frozen_names}:

@@ -437,7 +437,7 @@ def _rng_causes(ctx: CheckContext, evidence: str, again: str | None, k: int, n: 
     (so that resume's RNG is not the checkpoint's either). Collective (`_one_rng`)."""
     first = ctx.recordings["resumed"].first_rng
     followed = again is not None and again != first  # the state before the resume decides: none is restored
-    head = _head(k, n)
+    head = _apart_after(k, n)
     if evidence == RNG_FRESH:
         cause = _cause(f"{RNG_LOST}: {head}, and its first batch after the resume draws from the RNG state a fresh "
                        "fit starts with: the trainer seeds its RNG when it starts and restores no checkpointed RNG "
@@ -490,8 +490,8 @@ def _unsynced_buffers(ctx: CheckContext, written: list[Any], found: list[Differe
     if not unsynced or not any(lost for _, lost in gathered):
         return ""
     return (f"the ranks' buffers differ at the checkpoint, and DDP does not sync them in its forward "
-            f"(forward_sync_buffers=False; broadcast_buffers=False before torch 2.13): {_head(k, n)}, since every "
-            "rank trains with buffers of its own (running statistics of its own shard) and a resume gives every "
+            f"(forward_sync_buffers=False; broadcast_buffers=False before torch 2.13): {_apart_after(k, n)}, since "
+            "every rank trains with buffers of its own (running statistics of its own shard) and a resume gives every "
             "rank rank 0's, from its checkpoint: keep DDP's buffer sync on (a model that reads its buffers in "
             "training then trains one function on every rank), or save and restore every rank's buffers")
 
@@ -505,14 +505,14 @@ def _one_rng(ctx: CheckContext, k: int, n: int) -> str:
     # only where the loop draws from the RNG while it trains can the RNG explain a difference
     if ctx.world_size < 2 or not all(consumed) or None in resumed or len(set(resumed)) > 1 or len(set(fresh)) == 1:
         return ""
-    return (f"the RNG state is not restored per rank: {_head(k, n)}, and every rank's first batch after the resume "
-            "draws from one and the same RNG state, while fresh fits start each rank from its own: the checkpoint "
-            "holds one rank's RNG state (e.g. rank 0's, which wrote it) and every rank restores that one, or every "
-            "rank reseeds alike on resume (save every rank's RNG state, e.g. gathered into rank 0's checkpoint, and "
-            "restore each rank's own)")
+    return (f"the RNG state is not restored per rank: {_apart_after(k, n)}, and every rank's first batch after the "
+            "resume draws from one and the same RNG state, while fresh fits start each rank from its own: the "
+            "checkpoint holds one rank's RNG state (e.g. rank 0's, which wrote it) and every rank restores that one, "
+            "or every rank reseeds alike on resume (save every rank's RNG state, e.g. gathered into rank 0's "
+            "checkpoint, and restore each rank's own)")
 
 
-def _head(k: int, n: int) -> str:
+def _apart_after(k: int, n: int) -> str:
     return f"after resuming at step {k}, the run to step {n} differs from the uninterrupted one"
 
 
@@ -528,7 +528,7 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
     by_part: dict[str, list[Difference]] = {}
     for d in found:
         by_part.setdefault(d.part, []).append(d)
-    head = _head(k, n)
+    head = _apart_after(k, n)
     causes: list[Cause] = []
     if "counters" in by_part:
         c = {d.key: d for d in by_part["counters"]}
@@ -585,7 +585,7 @@ def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: 
     checkpoint: matching then means the RNG state is what is lost, and what that resume fed its model
     tells the data position apart. `positioned`: a lost position is named already (the counters);
     `other_causes`: some rank's state names a cause. Collective."""
-    head = _head(k, n)
+    head = _apart_after(k, n)
     lightning = lightning_checkpoint(checkpoint)
     evidence = _rng_evidence(ctx, k)
     rerun = not other_causes or any(e in (RNG_OTHER, RNG_SHIFTED) for e in all_gather(evidence))
@@ -673,11 +673,11 @@ def _until_parted(ctx: CheckContext, label: str, k: int) -> StopOnceParted | Non
     if not all(all_gather(full.kept_params is not None)):
         return None
     fed = _fed(full)
-    return StopOnceParted(lambda: ctx.recordings.get(label), None if fed is None else fed[_before(ctx, k):],
+    return StopOnceParted(lambda: ctx.recordings.get(label), None if fed is None else fed[_resume_start(ctx, k):],
                           full.kept_params, tolerance(ctx), _fed, all_gather)
 
 
-def _before(ctx: CheckContext, k: int) -> int:
+def _resume_start(ctx: CheckContext, k: int) -> int:
     """Micro-batches the uninterrupted fit ran before step k's successor: where a resume from step k
     begins (the fit that checkpointed may have begun one more, as a script ended at its next step)."""
     full = ctx.recordings["uninterrupted"]
@@ -712,8 +712,8 @@ def _fed_shift(ctx: CheckContext, label: str, k: int) -> str:
     uninterrupted run's micro-batch whose inputs (digests) its first micro-batches repeat, against the
     one at the checkpoint. Later than it: the resume skips batches; earlier: it re-reads them."""
     full, again = (_fed(ctx.recordings[name]) for name in ("uninterrupted", label))
-    before = _before(ctx, k)
-    mine = None if full is None or not again else _offset(full, again, before)
+    before = _resume_start(ctx, k)
+    mine = None if full is None or not again else _input_offset(full, again, before)
     shifts = all_gather(mine)
     rank, shift = next(((r, s) for r, s in enumerate(shifts) if s), (0, None))
     where = "" if len(set(shifts)) == 1 else f" on rank {rank}"
@@ -727,7 +727,7 @@ def _fed_shift(ctx: CheckContext, label: str, k: int) -> str:
             f"first inputs are those of the uninterrupted run's micro-batch {before + shift}, not {before}")
 
 
-def _offset(full: list[str], again: list[str], before: int) -> int | None:
+def _input_offset(full: list[str], again: list[str], before: int) -> int | None:
     """Where in `full` the inputs `again` begin, relative to `before`: of the places where `again`'s
     first micro-batches (two, or all of `again`) follow in `full`, the one nearest `before` (an epoch
     that repeats its order matches once an epoch; a resume that re-reads may then cut the epoch short)."""
@@ -743,7 +743,7 @@ def _fed_alike(ctx: CheckContext, label: str, k: int) -> bool:
     no tensor to digest, a pass longer than DIGESTED_INPUTS). A resume that restarts from the first
     epoch feeds all of them: as many as the uninterrupted fit, not alike."""
     full, again = (_fed(ctx.recordings[name]) for name in ("uninterrupted", label))
-    before = _before(ctx, k)
+    before = _resume_start(ctx, k)
     mine = full is not None and again is not None and bool(again) and full[before:] == again
     return all(all_gather(mine))
 
@@ -757,7 +757,7 @@ def _read_alike(ctx: CheckContext, label: str, k: int) -> bool:
     labels = ("uninterrupted", label)
     full, again = (_drawn(ctx.recordings[name]) for name in labels)
     digested = all(_fed(ctx.recordings[name]) is not None for name in labels)
-    before = _before(ctx, k)
+    before = _resume_start(ctx, k)
     resumed = ctx.recordings[label].micro_batches
     mine = (digested and full is not None and again is not None and 0 < resumed <= len(again)
             and full[before:before + resumed] == again[-resumed:])
@@ -769,7 +769,7 @@ def _reads_other(ctx: CheckContext, label: str, k: int) -> bool:
     the uninterrupted fit drew after the checkpoint: its position is lost whatever its RNG did (a
     DistributedSampler orders by its own seed and epoch)."""
     full, again = (_drawn(ctx.recordings[name]) for name in ("uninterrupted", label))
-    before, resumed = _before(ctx, k), ctx.recordings[label].micro_batches
+    before, resumed = _resume_start(ctx, k), ctx.recordings[label].micro_batches
     indexed = full is not None and again is not None and 0 < resumed <= len(again)
     same = indexed and full[before:before + resumed] == again[-resumed:]  # type: ignore[index]
     gathered = all_gather((indexed, same))

@@ -47,7 +47,7 @@ import pytest
 from ..adapter import TrainState
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
-from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.first_steps import final_floats, own_config, with_strategy
 from .support.gradients import max_delta
 from .support.observe import FitRecord
@@ -173,8 +173,9 @@ def _compare(ctx: CheckContext, static: _Fit, dynamic: _Fit, figures: dict[str, 
     if relative <= TOLERANCE:
         return ""
     require_reproducible(ctx, "static_graph", TOLERANCE)  # collective: `relative` is every rank's
-    return (f"with static_graph=True the fit ends elsewhere after {STEPS} steps ({name} differs by {fmt(relative)} of "
-            f"its largest value from the fit without it, summation order allows {fmt(TOLERANCE)})")
+    return (f"with static_graph=True the fit ends elsewhere after {STEPS} steps ({name} differs by "
+            f"{rounded(relative)} of its largest value from the fit without it, summation order allows "
+            f"{rounded(TOLERANCE)})")
 
 
 def _raised(static: _Fit) -> str:
@@ -202,6 +203,6 @@ def _conclude(ctx: CheckContext, configured: bool, problem: str, figures: dict[s
     if not configured:
         pytest.skip(f"static_graph is off in the config; the model can take it: with static_graph=True its fit "
                     f"ends where it ends without it after {STEPS} steps (max relative difference "
-                    f"{fmt(figures['max_rel_delta'])})")
+                    f"{rounded(figures['max_rel_delta'])})")
     figures["summary"] = f"static graph: same {STEPS} steps"
     return figures

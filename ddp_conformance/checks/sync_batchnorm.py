@@ -38,7 +38,7 @@ import torch
 
 from ..runner.ranks import ranks_label
 from .support import shared_fit
-from .support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.norm_stats import NormLayer
 
 #: the largest deviation (in channel standard deviations) that counts as the global batch's statistics in fp32
@@ -200,5 +200,5 @@ def _verdict(layer: NormLayer, rank: int, world_size: int, from_own: float, from
         return (f"BatchNorm is not synchronised over the {world_size} ranks: {where} normalised by its own "
                 f"micro-batch's statistics, not the global batch's{group}")
     return (f"BatchNorm statistics are wrong: {where} normalised by statistics that are neither the global batch's "
-            f"nor its own micro-batch's (deviation {fmt(from_global)} standard deviations, tolerance "
-            f"{fmt(allowed)}){group}")
+            f"nor its own micro-batch's (deviation {rounded(from_global)} standard deviations, tolerance "
+            f"{rounded(allowed)}){group}")

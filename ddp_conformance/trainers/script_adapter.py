@@ -452,7 +452,7 @@ class _StepCounter:
         from torch.amp import GradScaler
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self._stack.callback(register_optimizer_step_pre_hook(self._before).remove)
+        self._stack.callback(register_optimizer_step_pre_hook(self._on_optimizer_pre_step).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._after).remove)
         scaler_step = GradScaler.step  # the recorder's wrapper, where a fit is recorded: put back on exit
         GradScaler.step = self._scaler_step(scaler_step)  # type: ignore[method-assign]
@@ -463,7 +463,7 @@ class _StepCounter:
         self._stack.close()
         return kind is _Enough
 
-    def _before(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _on_optimizer_pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self._main is None:
             self._main = optimizer
         if optimizer is self._main and self.watch is not None:
@@ -485,7 +485,8 @@ class _StepCounter:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             before = counter.taken
             if counter._main is None or optimizer is counter._main:
-                counter._before(optimizer, args, kwargs)  # a skipped step begins too: past `limit`, it ends there
+                # a skipped step begins too: past `limit`, it ends there
+                counter._on_optimizer_pre_step(optimizer, args, kwargs)
             result = original(scaler, optimizer, *args, **kwargs)
             if optimizer is counter._main and counter.taken == before:  # skipped: no optimizer.step ran
                 counter._after(optimizer, args, kwargs)

@@ -36,7 +36,7 @@ import pytest
 from ...adapter import TrainerAdapter, TrainState
 from ...config import reconcile
 from ..support import shared_fit
-from ..support.check_context import CheckContext, all_gather, fmt, from_rank_zero, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, from_rank_zero, hide_on_verdict, rounded
 from ..support.first_steps import final_floats
 from ..support.gradients import max_delta
 from ..support.observe import FitRecord
@@ -224,9 +224,9 @@ def _group_verdict(group: GroupResult, head: str, expected: dict[int, list[int]]
     if relative <= TOLERANCE:
         return None
     return (f"the resumed run's update depends on the world size: {head}, every step trains the uninterrupted fit's "
-            f"global batch, yet after step {n} {name} differs by {fmt(relative)} of its largest value (the summation "
-            f"order across world sizes allows {fmt(TOLERANCE)}): a learning rate, loss or gradient scaled by the world "
-            "size?")
+            f"global batch, yet after step {n} {name} differs by {rounded(relative)} of its largest value (the "
+            f"summation order across world sizes allows {rounded(TOLERANCE)}): a learning rate, loss or gradient "
+            "scaled by the world size?")
 
 
 def _batch_verdict(parting: Parting, head: str, size: int, draws: list[Any]) -> str:

@@ -44,10 +44,10 @@ from ..support.amp_watch import AmpWatch, scaled_clipping
 from ..support.check_context import (
     CheckContext,
     all_gather,
-    fmt,
     from_rank_zero,
     hide_on_verdict,
     on_every_rank,
+    rounded,
     tensors_from_rank_zero,
 )
 from ..support.gradients import clipping, closeness, grads_of, max_delta, scale_ratio, single_process_adapter
@@ -118,7 +118,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     except NotProvided as missing:  # no pieces to compute a reference with (a script): judged by its run
         return judge_script_step(ctx, adapter, missing)
     judge_fit_step(ctx, single, figures["rtol"], figures)
-    figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
+    figures["summary"] = f"max rel delta {rounded(figures['max_rel_delta'])}"
     return figures
 
 
@@ -228,7 +228,7 @@ def _vacuous(ddp_g: dict[str, Any], single_g: dict[str, Any], single_loss: float
     if any(g is not None and bool(g.any()) for g in (*ddp_g.values(), *single_g.values())):
         return ""
     return (f"training does not change the model: every gradient is exactly zero, from the DDP step and from the "
-            f"single-process loss of the global batch (which is {fmt(single_loss)}): a loss that does not depend "
+            f"single-process loss of the global batch (which is {rounded(single_loss)}): a loss that does not depend "
             "on the parameters (e.g. cross_entropy over a one-column output, identically 0)")
 
 
@@ -255,7 +255,7 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
                 f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")
     if delta <= tolerance:
         return ""
-    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(tolerance)})"
+    where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(tolerance)})"
     ratio, residual = scale_ratio(ddp_g, single_g)
     close = closeness(rtol)
     if world > 1 and abs(ratio * world - 1) < close and residual < close:
@@ -286,5 +286,5 @@ def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, A
     if clipping(ddp_g, single_g, rtol):
         return ""  # clipping by norm or value acts on the averaged gradient alike on every rank: noted
     if abs(ratio - 1) >= close and residual < close:
-        return f"gradients are {fmt(ratio)}x the single-process gradients {where}"
+        return f"gradients are {rounded(ratio)}x the single-process gradients {where}"
     return f"gradients differ from the single-process gradients of the global batch {where}"

@@ -33,7 +33,7 @@ import torch
 from ...adapter import NotProvided
 from ..support import shared_fit
 from ..support.amp_watch import scaled_clipping
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict, on_every_rank
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank, rounded
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
 from ..support.model_state import item_digest
@@ -174,7 +174,7 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
     name, delta, scale = max_delta(fit, whole)
     figures = {"fit_step": "judged", "fit_step_micro_batches": first.micro_batches,
                "fit_step_max_rel_delta": delta / scale if scale else 0.0}
-    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
+    where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(rtol * scale)})"
     verdict = "" if delta <= rtol * scale else fit_diagnosis(
         fit, whole, lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn]),
         ctx.world_size, first.micro_batches, rtol, where)

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader
 
 from ...adapter import NotProvided
 from ..support import session_evidence
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from ..support.first_steps import overflow_reason
 from ..support.gradients import clipping, fit_diagnosis, max_delta
 from ..support.observe import (
@@ -96,7 +96,7 @@ def judge_script_step(ctx: CheckContext, adapter: Any, missing: NotProvided) -> 
         whole_batch = [concatenated([rank[j] for rank in ranks]) for j in range(first.micro_batches)]
     except Unjudged as exc:
         _skip_unless_all(str(exc))
-    group = _alone(ctx)
+    group = _own_group_of_one(ctx)
     rerun = _Rerun(ctx, record, group)
     whole = _attempt(lambda: rerun.gradients(whole_batch))
     _skip_unless_all(whole if isinstance(whole, str) else "")
@@ -108,19 +108,19 @@ def judge_script_step(ctx: CheckContext, adapter: Any, missing: NotProvided) -> 
                                "max_abs_delta": delta, "tolerance": rtol * scale,
                                "max_rel_delta": delta / scale if scale else 0.0,
                                "per_rank_batch": _samples(first.batches[0])}
-    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
+    where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(rtol * scale)})"
     vacuous = [v for v in all_gather(_vacuous(fit, whole)) if v]
     if vacuous:
         skip_as_vacuous(vacuous[0])
     verdict = ("" if delta <= rtol * scale else fit_diagnosis(
-        fit, whole, lambda: _or_none(lambda: rerun.gradients(ranks[ctx.rank])), lambda: None,
+        fit, whole, lambda: _judged_or_none(lambda: rerun.gradients(ranks[ctx.rank])), lambda: None,
         ctx.world_size, first.micro_batches, rtol, where))
     failing = [v for v in all_gather(in_the_hook(verdict, record)) if v]
     if failing:
         raise ctx.fail(failing[0], **figures)
     if delta > rtol * scale:  # no bug's signature: clipping by norm or by value
         ctx.note(f"the script's first step's gradients are {clipping(fit, whole, rtol)}")
-    figures["summary"] = f"max rel delta {fmt(figures['max_rel_delta'])}"
+    figures["summary"] = f"max rel delta {rounded(figures['max_rel_delta'])}"
     return figures
 
 
@@ -149,7 +149,7 @@ def _compressed_rtol(ctx: CheckContext, record: FitRecord, rtol: float) -> float
     wider = RTOL.get(ctx.rank_ctx.device_type, {}).get(precision or "", rtol)
     if wider > rtol:
         ctx.note(f"the fit all-reduces through {hook}, which rounds the gradients to {precision}'s dtype: judged "
-                 f"at {precision}'s tolerance ({fmt(wider)})")
+                 f"at {precision}'s tolerance ({rounded(wider)})")
     return max(rtol, wider)
 
 
@@ -240,7 +240,7 @@ def concatenated(batches: list[Any]) -> Any:
     return rebuilt(head, [concatenated([p[i] for p in parts]) for i in range(len(items))])  # type: ignore[index]
 
 
-def _alone(ctx: CheckContext) -> Any:
+def _own_group_of_one(ctx: CheckContext) -> Any:
     """This rank's own process group of one (collective the first time: every rank makes every
     singleton group, as `new_group` requires), so a rerun's DDP averages over this process alone."""
 
@@ -259,7 +259,7 @@ def _attempt(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | str:
         return str(exc)
 
 
-def _or_none(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+def _judged_or_none(run: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
     result = _attempt(run)
     return result if isinstance(result, dict) else None
 

@@ -23,16 +23,16 @@ import pytest
 
 from ...adapter import NotProvided
 from ..support.accumulation_watch import HeldWatch, at_k, thrown_away, window_per_step
-from ..support.check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta
 from ..support.progress import guarded_fit
 from ..support.vacuity import skip_as_vacuous
 from .script_step import (
     Unjudged,
-    _alone,
     _attempt,
     _first_step_problem,
-    _or_none,
+    _judged_or_none,
+    _own_group_of_one,
     _Rerun,
     _size_problem,
     _skip_unless_all,
@@ -86,7 +86,7 @@ def judge_script_window(ctx: CheckContext, adapter: Any, carried: bool, figures:
         own = concatenated(ranks[ctx.rank])
     except Unjudged as exc:
         _skip_unless_all(str(exc))
-    rerun = _Rerun(ctx, record, _alone(ctx), at_k(ctx.config, 1))
+    rerun = _Rerun(ctx, record, _own_group_of_one(ctx), at_k(ctx.config, 1))
     whole = _attempt(lambda: rerun.gradients([window]))
     _skip_unless_all(_at_one_problem(whole) if isinstance(whole, str) else "")
     assert isinstance(whole, dict)
@@ -97,10 +97,10 @@ def judge_script_window(ctx: CheckContext, adapter: Any, carried: bool, figures:
     vacuous = [v for v in all_gather(_vacuous(fit, whole)) if v]
     if vacuous:
         skip_as_vacuous(vacuous[0])
-    where = f"(parameter {name}, max |delta| {fmt(delta)}, tolerance {fmt(rtol * scale)})"
+    where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(rtol * scale)})"
     verdict = "" if delta <= rtol * scale else fit_diagnosis(
-        fit, whole, lambda: _or_none(lambda: rerun.gradients([own])), lambda: _or_none(lambda: rerun.gradients([last])),
-        ctx.world_size, first.micro_batches, rtol, where)
+        fit, whole, lambda: _judged_or_none(lambda: rerun.gradients([own])),
+        lambda: _judged_or_none(lambda: rerun.gradients([last])), ctx.world_size, first.micro_batches, rtol, where)
     verdicts = [v for v in all_gather(verdict) if v]
     if verdicts and is_accumulation_cause(verdicts[0]):
         raise ctx.fail(verdicts[0], **figures)

@@ -297,7 +297,7 @@ def on_every_rank(call: Callable[[], _Value]) -> _Value:
     raise missing
 
 
-def fmt(value: float) -> str:
+def rounded(value: float) -> str:
     """A float for a verdict: 3 significant digits."""
     return f"{value:.3g}"
 

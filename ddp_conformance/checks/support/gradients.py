@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .check_context import CheckContext, fmt
+from .check_context import CheckContext, rounded
 from .observe import unwrapped
 from .one_world import world_of_one
 
@@ -95,7 +95,7 @@ def _clipped_by_norm(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     close = closeness(rtol)
     ratio, residual = scale_ratio(a, b)
     if residual < close and close < ratio < 1 - close:
-        return f"{fmt(ratio)}x the single-process gradients, uniformly: gradient clipping by norm (not judged)"
+        return f"{rounded(ratio)}x the single-process gradients, uniformly: gradient clipping by norm (not judged)"
     return ""
 
 
@@ -115,7 +115,7 @@ def _clipped_by_value(a: dict[str, Any], b: dict[str, Any], rtol: float) -> str:
     if not clipped or off:
         return ""
     total = sum(g.numel() for _, g in pairs)
-    return (f"the single-process gradients clamped to +-{fmt(bound)}: gradient clipping by value (the {clipped} of "
+    return (f"the single-process gradients clamped to +-{rounded(bound)}: gradient clipping by value (the {clipped} of "
             f"{total} elements beyond it are not judged, the others match)")
 
 

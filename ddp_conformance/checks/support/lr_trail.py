@@ -27,7 +27,7 @@ class LrTrail:
         self.rates: list[tuple[float, ...]] = []
         self._main: Any = None
 
-    def _before(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def _on_optimizer_pre_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if self._main is None:
             self._main = optimizer
         if optimizer is self._main:
@@ -39,7 +39,7 @@ def watching() -> Iterator[LrTrail]:
     from torch.optim.optimizer import register_optimizer_step_pre_hook  # deferred: torch is heavy to import
 
     trail = LrTrail()
-    handle = register_optimizer_step_pre_hook(trail._before)
+    handle = register_optimizer_step_pre_hook(trail._on_optimizer_pre_step)
     try:
         yield trail
     finally:

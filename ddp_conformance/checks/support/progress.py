@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ...adapter import FitObserver, StepInfo
 from ...runner.ranks import cpu_seconds, ranks_label
 from . import collectives, session_evidence
-from .check_context import CheckContext, all_gather, fmt, hide_on_verdict
+from .check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .observe import FitRecord, FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
@@ -229,7 +229,7 @@ def stall_words(progress: list[Progress | None], idle: float, steps: int, partin
     # a collective the others never join, which their records tell (not a guess by counts)
     finished = all((p := progress[r]) is not None and p.state == "done" and p.finished >= steps for r in stopped)
     if parting and (not stopped or finished):
-        return f"training hangs: the ranks' collectives part: {parting}; no progress for {fmt(idle)} s"
+        return f"training hangs: the ranks' collectives part: {parting}; no progress for {rounded(idle)} s"
     if not stopped:
         counts = [p.finished if p is not None else -1 for p in progress]
         behind = [r for r, c in enumerate(counts) if c == min(counts)]
@@ -245,14 +245,14 @@ def stall_words(progress: list[Progress | None], idle: float, steps: int, partin
                             f"{progress[r].finished} micro-batch(es)" for r in failed)  # type: ignore[union-attr]
             return (f"{who} of a {steps}-step fit; {ranks_label(waiting)} "
                     f"{'hangs' if len(waiting) == 1 else 'hang'} waiting for it ({left}), no progress for "
-                    f"{fmt(idle)} s: a rank that failed leaves the others blocked in DDP's collectives")
+                    f"{rounded(idle)} s: a rank that failed leaves the others blocked in DDP's collectives")
         who = ", ".join(f"rank {r} {_where(progress[r])}" for r in stopped)
         kind = ("left its training loop early" if first is not None and first.stopped else "fell behind")
         return (f"training hangs: {ranks_label(stopped)} stopped at micro-batch {step} of a {steps}-step fit ({who}) "
-                f"while {left}, no progress for {fmt(idle)} s: a rank that {kind} leaves the others blocked in "
+                f"while {left}, no progress for {rounded(idle)} s: a rank that {kind} leaves the others blocked in "
                 "DDP's gradient all-reduce")
     return (f"training hangs: all ranks are stuck in the same place ({_where(progress[0])}), no progress for "
-            f"{fmt(idle)} s: a collective deadlock (ranks calling different collectives?)")
+            f"{rounded(idle)} s: a collective deadlock (ranks calling different collectives?)")
 
 
 def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],

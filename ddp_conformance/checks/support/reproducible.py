@@ -31,7 +31,7 @@ import pytest
 
 from ...adapter import NotProvided, TrainState
 from .adapter_errors import AdapterError
-from .check_context import CheckContext, all_gather, fmt
+from .check_context import CheckContext, all_gather, rounded
 from .first_steps import final_floats
 from .gradients import max_delta
 from .progress import PeerFitFailed, guarded_fit
@@ -82,10 +82,10 @@ def _judge(ctx: CheckContext, found: Repeat | None, judged: str, tolerance: floa
 
 def not_reproducible(found: Repeat, judged: str, tolerance: float) -> str:
     return (f"{VERDICT} (resume_fidelity's verdict): two identical fits from scratch already end apart after "
-            f"{STEADY_STEPS} steps ({found.tensor} by {fmt(found.relative)} of its largest value on rank "
-            f"{found.rank}, where {fmt(tolerance)} is allowed between the fits this check compares), so what differs "
-            f"between two fits cannot be blamed on {judged}: an unseeded model, data order or dropout? (every rank "
-            "starts each fit with its own fresh seeds, as under torchrun; seed them to have this judged)")
+            f"{STEADY_STEPS} steps ({found.tensor} by {rounded(found.relative)} of its largest value on rank "
+            f"{found.rank}, where {rounded(tolerance)} is allowed between the fits this check compares), so what "
+            f"differs between two fits cannot be blamed on {judged}: an unseeded model, data order or dropout? (every "
+            "rank starts each fit with its own fresh seeds, as under torchrun; seed them to have this judged)")
 
 
 def repeat(ctx: CheckContext) -> Repeat | None:

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import pytest
 
 from ...adapter import FitObserver, StepInfo, TrainState
-from .check_context import fmt
+from .check_context import rounded
 from .model_state import digest, parameters
 from .observe import FitRecord
 
@@ -86,7 +86,7 @@ def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
     grad_steps = sum(e["grad_steps"] for e in seen)
     losses = [loss for e in seen for loss in e["losses"]]
     constant = losses and all(len(e["losses"]) > 1 and len(set(e["losses"])) == 1 for e in seen)
-    said = f"; every loss was exactly {fmt(losses[0])}" if constant and len(set(losses)) == 1 else ""
+    said = f"; every loss was exactly {rounded(losses[0])}" if constant and len(set(losses)) == 1 else ""
     if grad_steps and not sum(e["nonzero_grad_steps"] for e in seen):
         return (f"training does not change the model: every gradient is exactly zero at each of the {grad_steps} "
                 f"optimizer steps of {fit} on {ranks}{said} (a loss that does not depend on the parameters, e.g. "
@@ -95,7 +95,7 @@ def vacuity_verdict(evidence: list[dict[str, Any] | None], fit: str) -> str:
         return (f"training does not change the model: the parameters after {fit} are bitwise the initial ones on "
                 f"{ranks}{said} (no optimizer step, a zero learning rate, or an optimizer holding other tensors?)")
     if constant:
-        values = ", ".join(sorted({fmt(e["losses"][0]) for e in seen}))
+        values = ", ".join(sorted({rounded(e["losses"][0]) for e in seen}))
         return (f"the loss never changes: on each of {ranks}, every micro-batch loss of {fit} is one constant "
                 f"({values}) although the batches and parameters change: the loss does not depend on the model, or "
                 "the trainer reports a constant")
