@@ -15,13 +15,8 @@ from hypothesis import strategies as st
 
 from ddp_conformance.adapter import RankContext
 from ddp_conformance.config import RunConfig, load_config
-from ddp_conformance.resumable import ResumableDataLoader
-from ddp_conformance.trainers.torch_ref import (
-    TorchTrainer,
-    atomic_save,
-    capture_rng_state,
-    restore_rng_state,
-)
+from ddp_conformance.resumable import ResumableDataLoader, capture_rng_state, restore_rng_state
+from ddp_conformance.trainers.torch_ref import TorchTrainer, atomic_save
 
 from .support import CONFIGS
 
