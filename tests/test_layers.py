@@ -25,17 +25,22 @@ def _module(path: Path) -> str:
 FILES = {_module(path): path for path in (ROOT / "ddp_conformance").rglob("*.py")}
 
 
-def _statements(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement of a file but `from __future__`, and whether it sits in a function."""
-    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+def _statements(path: Path) -> list[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement of a file but `from __future__`, whether it sits in a function (deferred: it runs
+    where the function does), and whether it sits under `if TYPE_CHECKING:` (never run)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool, bool]] = []
 
-    def visit(node: ast.AST, in_function: bool) -> None:
+    def visit(node: ast.AST, in_function: bool, typing_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)) and getattr(child, "module", "") != "__future__":
-                found.append((child, in_function))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+                found.append((child, in_function, typing_only))
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for branch, only in ((child.body, True), (child.orelse, typing_only)):
+                    visit(ast.Module(body=branch, type_ignores=[]), in_function, only)
+                continue
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)), typing_only)
 
-    visit(ast.parse(path.read_text(), filename=str(path)), False)
+    visit(ast.parse(path.read_text(), filename=str(path)), False, False)
     return found
 
 
@@ -54,7 +59,7 @@ def _names(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {module: {name for node, _ in _statements(path) for name in _names(module, node)}
+    return {module: {name for node, *_ in _statements(path) for name in _names(module, node)}
             for module, path in FILES.items()}
 
 
@@ -80,7 +85,7 @@ def _in_functions() -> list[tuple[str, int, bool]]:
     found = []
     for path in FILES.values():
         lines = path.read_text().splitlines()
-        for node, in_function in _statements(path):
+        for node, in_function, _ in _statements(path):
             if in_function:
                 first = node.lineno - 1
                 while first > 0 and lines[first - 1].strip().startswith(("import ", "from ", "#")):
@@ -111,29 +116,11 @@ def test_the_parent_and_rank_sides_import_nothing_of_each_other() -> None:
     assert crossing == []
 
 
-def _run_on_import(path: Path) -> list[ast.Import | ast.ImportFrom]:
-    """The imports a file runs as it is imported: not those in a function (deferred, they run where the function
-    does) nor under `if TYPE_CHECKING:` (never run)."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.Import, ast.ImportFrom)) and getattr(child, "module", "") != "__future__":
-                found.append(child)
-            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                for other in child.orelse:
-                    visit(ast.Module(body=[other], type_ignores=[]))
-            elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                visit(child)
-
-    visit(ast.parse(path.read_text(), filename=str(path)))
-    return found
-
-
 def _top_level_graph() -> dict[str, set[str]]:
-    """What importing each module imports (`_run_on_import`), with the plugins it names in `pytest_plugins`, which
-    pytest imports with it."""
-    graph = {module: {name for node in _run_on_import(path) for name in _names(module, node)}
+    """What importing each module imports (its imports outside functions and `if TYPE_CHECKING:`), with the plugins
+    it names in `pytest_plugins`, which pytest imports with it."""
+    graph = {module: {name for node, in_function, typing_only in _statements(path) if not (in_function or typing_only)
+                      for name in _names(module, node)}
              for module, path in FILES.items()}
     for module, path in FILES.items():
         for node in ast.parse(path.read_text()).body:
