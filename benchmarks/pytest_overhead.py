@@ -198,7 +198,7 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
     all_reduce's, and the CPU all ranks spend per trivial test ("rank_cpu": on 2 cores, half of it is
     a floor under any per-test wall time)."""
     from ddp_conformance.runner.parent.fork_server import ForkServer
-    from ddp_conformance.runner.parent.rank_pool import RankPool
+    from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
     from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import DdpPlan, Task
 
@@ -211,7 +211,7 @@ def pool_figures(directory: Path, world_size: int, warm_tests: int) -> dict[str,
                     cwd=os.getcwd())
 
     fork_server = ForkServer(start_timeout=300)
-    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
+    pool = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1), fork_server=fork_server)
     figures: dict[str, float] = {}
     try:
         pool.start()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ddp_conformance.runner.parent.fork_server import ForkServer
-from ddp_conformance.runner.parent.rank_pool import RankPool
+from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
 from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """
@@ -77,17 +77,18 @@ def task(module: Path, name: str, world_size: int) -> Task:
 def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
     figures: dict[str, float] = {}
     figures["bare"] = statistics.median(bare_spawn(world_size) for _ in range(2))
-    exec_pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1)
+    exec_pool = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1))
     began = time.perf_counter()
     exec_pool.start()
     figures["exec"] = time.perf_counter() - began
     exec_pool.stop()
     began = time.perf_counter()
     fork_server = ForkServer(start_timeout=300)
-    pool = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
+    pool = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1), fork_server=fork_server)
     pool.start()
     figures["cold"] = time.perf_counter() - began
-    rebuilt = RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server)
+    rebuilt = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1),
+                       fork_server=fork_server)
     began = time.perf_counter()
     rebuilt.start()
     figures["rebuild"] = time.perf_counter() - began

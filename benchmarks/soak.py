@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddp_conformance.runner.parent.rank_pool import RankPool
+from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
 from ddp_conformance.runner.wire import DdpPlan, Task
 
 TEST_SOURCE = """
@@ -47,7 +47,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         module = Path(tmp, "soak_module.py")
         module.write_text(TEST_SOURCE)
-        pool = RankPool(args.world_size, "gloo", start_timeout=300, rank_threads=1)
+        pool = RankPool(args.world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1))
         pool.start()
         samples: dict[int, list[float]] = {}
         failed = 0

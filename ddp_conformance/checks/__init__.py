@@ -22,15 +22,17 @@ from typing import Any
 import pytest
 
 from ..adapter import NotProvided, named
-from ..config import RunConfig
 from ..selection import CHECK_IDS, DEFAULT_CHECKS
-from ..trainers.spec import TrainerSpec
 from .support import session_evidence
-from .support.check_context import CheckContext, CheckFailed, hide_on_verdict
+from .support.check_context import CheckContext, CheckFailed, CheckOptions, hide_on_verdict
 
 #: the one `ddp.figures` key a check's result travels under (rank 0's becomes the test's user property)
 RESULT_FIGURE = "conformance_result"
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+#: the checks that read the shared one-step probe fit (`support/shared_fit.py`) through a watcher of their own,
+#: their module's `PROBE_WATCHER`: the probe carries every one of them, since whichever check runs it first,
+#: the others reuse it
+PROBE_READERS = ("bucket_view_memory", "initial_sync", "resume_fidelity", "sync_batchnorm")
 
 
 @dataclass(frozen=True)
@@ -62,27 +64,16 @@ class CheckResult:
             raise CheckFailed(self.verdict)
 
 
-@dataclass(frozen=True)
-class CheckOptions:
-    """What the pytest process decides for a check and pickles to the ranks.
-
-    `stall_after` is how long every rank may go without progress, once some rank has left its
-    fit, before the fit counts as hung: it is derived from the test timeout so that the check's own
-    verdict (naming the ranks that stopped) arrives before the harness's generic timeout.
-    """
-
-    trainer: TrainerSpec  # parsed once in the pytest process; resolved (imported) in each rank
-    config: RunConfig  # the `--ddp-config` file, read once in the pytest process
-    stall_after: float
-    advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
-    max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
-
-
 def stall_seconds(timeout: float) -> float:
     """A tenth of the test timeout, within [2, 15] s: a healthy rank finishes its last step well
     inside 2 s of its peers (they meet in that step's all-reduce), and the verdict must come
     before the harness kills the test."""
     return min(15.0, max(2.0, timeout / 10.0))
+
+
+def probe_watchers() -> tuple[Any, ...]:
+    """What makes each probe reader's watcher (`PROBE_READERS`)."""
+    return tuple(importlib.import_module(f"{__name__}.{check_id}").PROBE_WATCHER for check_id in PROBE_READERS)
 
 
 def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> CheckResult:
@@ -102,8 +93,8 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     result: CheckResult | None = None
     try:
         with named(options.trainer.label):
-            ctx = CheckContext.create(check_id, options.trainer, options.config, options.stall_after, ddp,
-                                      Path(workdir), figures, advise=options.advise, max_steps=options.max_steps)
+            ctx = CheckContext.create(check_id, options, ddp, Path(workdir), figures)
+            ctx.probe_watchers = probe_watchers()
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)

@@ -52,8 +52,8 @@ from .support.accumulation_watch import (
 )
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
 from .support.first_steps import overflow_reason, own_config
+from .support.fit_record import FitRecord
 from .support.gradients import is_accumulation_cause
-from .support.observe import FitRecord
 
 
 def run(ctx: CheckContext) -> dict[str, Any]:

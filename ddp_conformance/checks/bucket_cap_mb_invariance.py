@@ -50,8 +50,8 @@ from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict, rounded
 from .support.first_steps import final_floats, with_strategy
+from .support.fit_record import FitRecord
 from .support.gradients import max_delta
-from .support.observe import FitRecord
 from .support.progress import guarded_fit
 from .support.reproducible import require_reproducible
 

@@ -47,6 +47,7 @@ from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from .support.first_steps import dropout_layers, final_floats, zero_dropout
+from .support.fit_watch import FitPlan
 from .support.gradients import max_delta
 from .support.observe import unwrapped
 from .support.progress import PeerFitFailed, guarded_fit
@@ -233,7 +234,7 @@ def _fit(ctx: CheckContext, label: str, watch: CompileOnWrap,
     # them (a control with a hook from its first forward failed in CI, 0.0226 apart): every fit compiles afresh
     torch.compiler.reset()
     try:
-        state, _ = guarded_fit(ctx, label, STEPS, call, inner=watch, model_hooks_only=True)
+        state, _ = guarded_fit(ctx, label, STEPS, call, FitPlan(model_hooks_only=True), watch)
     except (AdapterError, PeerFitFailed) as exc:
         return None, exc
     return state, None

@@ -16,7 +16,7 @@ had not unscaled for the optimizer that then stepped them, or stepped an optimiz
 loss's gradients never unscaled, fails, naming the function and the scale.
 
 A trainer that takes the harness's config, which claims a mixed precision: runs the trainer's own fit
-twice for one optimizer step, watched by the recorder (`observe.FirstStep`: the gradients the optimizer
+twice for one optimizer step, watched by the recorder (`fit_record.FirstStep`: the gradients the optimizer
 applied, read in its pre-step hook, after `scaler.step` has unscaled them): once with the config as given,
 once with `trainer.precision: 32-true`, both with the config's dropout at 0. Both start from the same seeded
 model and data, so they differ only by the precision. On a GPU the two precisions' dropout masks differ

@@ -47,7 +47,8 @@ from ..adapter import TrainerBuildError
 from ..runner.ranks import ranks_label
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
-from .support.observe import children, rebuilt, step_digest, unwrapped
+from .support.digests import step_digest
+from .support.observe import children, rebuilt, unwrapped
 from .support.progress import POLL_SECONDS, PeerFitFailed, guarded_fit, read_all
 
 STEPS = 3

@@ -33,8 +33,8 @@ from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
+from .support.fit_record import FitRecord
 from .support.model_state import OUTSIDE, drifted, trained
-from .support.observe import FitRecord
 from .support.progress import PeerFitFailed, Progress, guarded_fit
 from .support.replica_watch import ReplicaTrail, frozen_changers, modes_apart
 from .support.vacuity import TrainingEvidence, silent_ranks, vacuity_verdict
@@ -49,8 +49,7 @@ def _fit(ctx: CheckContext) -> tuple[TrainState, list[Progress], FitRecord | Non
         steady = shared_fit.steady(ctx)
         return steady.state, steady.progress, steady.record, steady.names
     adapter, capture = ctx.adapter(), TrainingEvidence()
-    state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs), inner=capture,
-                                  extra=lambda state: capture.figures(state, ctx.recordings.get("fit")))
+    state, progress = guarded_fit(ctx, "fit", STEPS, lambda obs: adapter.fit(STEPS, observer=obs), inner=capture)
     return state, progress, ctx.recordings.get("fit"), capture.names
 
 

@@ -12,7 +12,7 @@ way, the fit sampler_disjointness judges too (`support/shared_fit.py`: run once 
 resume(F's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank-specific value (a
 restart never inherits the RNG). The model gets dropout 0.1 if the config has none, otherwise a
 missing RNG state could not show. F's recorder keeps its state and RNG right after step k
-(`observe.StepSnapshot`), which the diagnosis of a resume that differs reads. A trainer whose `k` is
+(`step_marks.StepSnapshot`), which the diagnosis of a resume that differs reads. A trainer whose `k` is
 an interval it may save at again (`checkpoints_once` False, the default; every `script:` SPEC) checkpoints in
 a fit of its own, P = fit(k), whose state and RNG the diagnosis reads.
 
@@ -75,6 +75,7 @@ from ..runner.ranks import ranks_label
 from .rank_participation import STEPS as PARTICIPATION_STEPS
 from .support import lr_trail, shared_fit
 from .support.check_context import CheckContext, all_gather, hide_on_verdict
+from .support.fit_watch import FitPlan
 from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
 from .support.observe import buffer_names
 from .support.parting import StopOnceParted
@@ -82,11 +83,14 @@ from .support.per_rank_files import shared_writes
 from .support.progress import guarded_fit
 from .support.replica_watch import modes_apart, modes_resumed
 from .support.shared_fit import ObservedFit
+from .support.step_marks import StepDigests, kept_params, snapshot_of, step_digests
 from .support.vacuity import skip_as_vacuous, vacuity_verdict
 
 if TYPE_CHECKING:
     from ..config import RunConfig
 
+#: what this check reads of the shared probe fit (`checks.PROBE_READERS`): whether two probes step alike
+PROBE_WATCHER = StepDigests
 BUFFERS_LOST = "the model's buffers are not restored"
 SCHEDULE_BY_TOTAL = "the learning-rate schedule is set by the total steps"
 
@@ -175,7 +179,7 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     _disturb_rng(ctx.rank)
     first = _FirstStepWeights()
     resumed, _ = guarded_fit(ctx, "resumed", n - k, lambda obs: ctx.adapter(config).resume(
-        checkpoint, n, observer=obs), inner=first, all_inputs=True)
+        checkpoint, n, observer=obs), FitPlan(all_inputs=True), first)
     found = differences(full, resumed, rtol)
     figures["differences"] = len(found)
     figures["max_abs_delta"] = max((d.delta or 0.0 for d in (found if exact else differences(full, resumed, 0.0))
@@ -190,10 +194,11 @@ def run(ctx: CheckContext) -> dict[str, Any]:
             raise ctx.fail(f"state the checkpoint does not hold is lost on {ranks_label(ranks)}: "
                            f"{next(mode for mode in modes if mode)}", **figures)
         weights = first.weights if all(all_gather(taken == k)) else None
-        statics = all_gather(_diagnose(found, full, part, weights, checkpoint, n, k) if found else [])
+        runs = ResumeRuns(config, full, part, resumed, checkpoint, at_checkpoint, n, k)
+        statics = all_gather(_diagnose(found, runs, weights) if found else [])
         verdict = _rank_buffers(statics) or _unsynced_buffers(ctx, written, found, k, n) or _follows_all(statics)
         if not verdict:
-            rng, data = _rng_or_data(ctx, config, found, full, part, resumed, checkpoint, at_checkpoint, n, k,
+            rng, data = _rng_or_data(ctx, runs, found,
                                      positioned=any(c.lead == POSITION_LOST for causes in statics for c in causes),
                                      other_causes=any(statics))
             verdict = _verdict(statics, rng, [data] * ctx.world_size)
@@ -222,7 +227,7 @@ def _ranks_stay_in_step(ctx: CheckContext, n: int, epoch: int, figures: dict[str
     Divergence that begins later than rank_participation can see is named here (collective);
     earlier divergence is rank_participation's verdict, and the checkpoint comparison skips."""
     __tracebackhide__ = hide_on_verdict
-    steps = all_gather(ctx.recordings["uninterrupted"].step_digests)
+    steps = all_gather(step_digests(ctx.recordings["uninterrupted"]))
     first = next((s for s, digests in enumerate(zip(*steps, strict=False), start=1) if len(set(digests)) > 1), 0)
     if first > PARTICIPATION_STEPS:
         where = f"step {first} of fit({n}), step {(first - 1) % epoch + 1} of epoch {(first - 1) // epoch}"
@@ -255,7 +260,7 @@ def _checkpoint_on_the_way(ctx: CheckContext, observed: ObservedFit,
     parameter digest after step k, the tensors stepped outside the model)."""
     own_dir, k = observed.checkpoint_dir, observed.checkpoint_step
     assert own_dir is not None
-    steps = observed.record.step_digests
+    steps = step_digests(observed.record)
     written = all_gather((*_files_and_checkpoint(own_dir, observed.state), steps[k - 1] if len(steps) >= k else None,
                           observed.record.outside_digests()))
     return _judged_checkpoint(ctx, written, f"fit({observed.horizon}, checkpoint_at={k})", figures), written
@@ -272,7 +277,7 @@ def _at_checkpoint(ctx: CheckContext, observed: ObservedFit, full: TrainState,
                    written: list[Any]) -> tuple[TrainState, list[Any], dict[str, Any]]:
     """The shared fit's state right after step k (its recorder's snapshot), as a fit that ended at k
     would return it; what every rank wrote, with the buffer digest and names at k; the RNG state there."""
-    snapshot = observed.record.snapshot
+    snapshot = snapshot_of(observed.record)
     if not all(all_gather(snapshot is not None)):  # the fit never took step k: nothing was checkpointed there
         raise ctx.fail(f"the uninterrupted fit({observed.horizon}) never reached its checkpoint step "
                        f"{observed.checkpoint_step}")
@@ -292,7 +297,7 @@ def _until_checkpoint(ctx: CheckContext, config: RunConfig, k: int,
     own_dir.mkdir(parents=True, exist_ok=True)
     with lr_trail.watching() as rates:
         part, _ = guarded_fit(ctx, "until-checkpoint", k, lambda obs: ctx.adapter(config).fit(
-            k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), digest_steps=True)
+            k, checkpoint_dir=own_dir, checkpoint_at=k, observer=obs), FitPlan(watchers=(StepDigests,)))
     lr_trail.remember(ctx.recordings["until-checkpoint"], rates)
     at_checkpoint = capture_rng_state()
     record = ctx.recordings["until-checkpoint"]
@@ -348,7 +353,7 @@ def _only_rank_zero_writes(ctx: CheckContext, written: list[Any], checkpoint: Pa
 def _not_reproducible(ctx: CheckContext, label: str, k: int) -> str:
     """Two fits from scratch (the uninterrupted fit and the fit `label`) must agree over their first k
     steps, or no resume can be compared with either: "" when they do or cannot be compared."""
-    full, other = ctx.recordings["uninterrupted"].step_digests, ctx.recordings[label].step_digests
+    full, other = step_digests(ctx.recordings["uninterrupted"]), step_digests(ctx.recordings[label])
     mine = next((step for step, (a, b) in enumerate(zip(full[:k], other[:k], strict=False), start=1) if a != b), 0)
     differing = [(rank, step) for rank, step in enumerate(all_gather(mine)) if step]
     if not differing:
@@ -357,7 +362,7 @@ def _not_reproducible(ctx: CheckContext, label: str, k: int) -> str:
     schedule = all_gather(lr_trail.first_apart(ctx.recordings["uninterrupted"], ctx.recordings[label], step))
     if label == "until-checkpoint" and schedule[rank] is not None:
         at, longer, shorter = schedule[rank]
-        n = len(ctx.recordings["uninterrupted"].step_digests)
+        n = len(step_digests(ctx.recordings["uninterrupted"]))
         return (f"{SCHEDULE_BY_TOTAL}: the fit to {k} that writes the checkpoint steps with learning rate "
                 f"{shorter[0]:.6g} at step {at}, the fit to {n} with {longer[0]:.6g} (each fit is its own run: "
                 f"they part after step {step} on rank {rank}), so no checkpoint of the fit to {k} can resume the "
@@ -521,10 +526,27 @@ POSITION_LOST = "the epoch/position in the epoch is not restored"
 SCHEDULER_COUNTERS = ("last_epoch", "_step_count")  # a fresh scheduler's differ whatever the optimizer's state
 
 
-def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first_weights: dict[str, Any] | None,
-              checkpoint: Path, n: int, k: int) -> list[Cause]:
+@dataclass(frozen=True)
+class ResumeRuns:
+    """What a resume that differs is diagnosed from: the config the runs ran with, the uninterrupted run's final
+    state, its state at the checkpoint, the resumed run's final state, the checkpoint, the RNG state as it was
+    there, and the steps k (the checkpoint) and n (the end)."""
+
+    config: Any
+    full: TrainState
+    part: TrainState
+    resumed: TrainState
+    checkpoint: Path
+    at_checkpoint: dict[str, Any]
+    n: int
+    k: int
+
+
+def _diagnose(found: list[Difference], runs: ResumeRuns, first_weights: dict[str, Any] | None) -> list[Cause]:
     """What the checkpoint or the resume loses on this rank, from the states alone: every cause they can
-    tell apart (none if they cannot tell)."""
+    tell apart (none if they cannot tell). `first_weights`: the weights the resumed run's first step began
+    from (None: not known)."""
+    part, checkpoint, n, k = runs.part, runs.checkpoint, runs.n, runs.k
     by_part: dict[str, list[Difference]] = {}
     for d in found:
         by_part.setdefault(d.part, []).append(d)
@@ -575,27 +597,29 @@ def _diagnose(found: list[Difference], full: TrainState, part: TrainState, first
     return causes
 
 
-def _rng_or_data(ctx: CheckContext, config: Any, found: list[Difference], full: TrainState, part: TrainState,
-                 resumed: TrainState, checkpoint: Path, at_checkpoint: dict[str, Any], n: int, k: int, *,
+def _rng_or_data(ctx: CheckContext, runs: ResumeRuns, found: list[Difference], *,
                  positioned: bool, other_causes: bool) -> tuple[list[list[Cause]], list[Cause]]:
     """What the states alone cannot tell: whether the RNG state and the data position are restored
     (every rank's RNG causes, and the data causes every rank shares). The RNG state each rank's
     resumed run started from is compared with the uninterrupted run's at step k; where that cannot
     decide, or nothing else explains the difference, resume once more with the RNG as it was at the
     checkpoint: matching then means the RNG state is what is lost, and what that resume fed its model
-    tells the data position apart. `positioned`: a lost position is named already (the counters);
-    `other_causes`: some rank's state names a cause. Collective."""
+    tells the data position apart. `found`: how the resumed run's final state differs from the uninterrupted
+    run's; `positioned`: a lost position is named already (the counters); `other_causes`: some rank's state
+    names a cause. Collective."""
+    config, full, part, resumed, checkpoint, n, k = (runs.config, runs.full, runs.part, runs.resumed,
+                                                     runs.checkpoint, runs.n, runs.k)
     head = _apart_after(k, n)
     lightning = lightning_checkpoint(checkpoint)
     evidence = _rng_evidence(ctx, k)
     rerun = not other_causes or any(e in (RNG_OTHER, RNG_SHIFTED) for e in all_gather(evidence))
     label, again = "resumed", resumed
     if rerun:
-        restore_rng_state(at_checkpoint)
+        restore_rng_state(runs.at_checkpoint)
         label = "resumed-same-rng"
         parting = _until_parted(ctx, label, k)
         again, _ = guarded_fit(ctx, label, n - k, lambda obs: ctx.adapter(config).resume(
-            checkpoint, n, observer=obs), inner=parting, all_inputs=True)
+            checkpoint, n, observer=obs), FitPlan(all_inputs=True), parting)
         if parting is not None and parting.decided:
             ctx.observed_steps -= n - k - ctx.recordings[label].optimizer_steps
             ctx.figures["second_resume_ended_at_micro_batch"] = parting.at_micro_batch
@@ -670,11 +694,11 @@ def _until_parted(ctx: CheckContext, label: str, k: int) -> StopOnceParted | Non
     kept no parameters `parting.STEPS` after the checkpoint on some rank (collective): it runs to the
     horizon."""
     full = ctx.recordings["uninterrupted"]
-    if not all(all_gather(full.kept_params is not None)):
+    if not all(all_gather(kept_params(full) is not None)):
         return None
     fed = _fed(full)
     return StopOnceParted(lambda: ctx.recordings.get(label), None if fed is None else fed[_resume_start(ctx, k):],
-                          full.kept_params, tolerance(ctx), _fed, all_gather)
+                          kept_params(full), tolerance(ctx), _fed, all_gather)
 
 
 def _resume_start(ctx: CheckContext, k: int) -> int:
@@ -683,7 +707,8 @@ def _resume_start(ctx: CheckContext, k: int) -> int:
     full = ctx.recordings["uninterrupted"]
     trail = full.rng_trail
     part = ctx.recordings.get("until-checkpoint")
-    fallback = part.micro_batches if part is not None else full.snapshot.micro_batches if full.snapshot else 0
+    at_k = snapshot_of(full)
+    fallback = part.micro_batches if part is not None else at_k.micro_batches if at_k is not None else 0
     return next((i for i, mark in enumerate(trail) if mark.steps == k), fallback)
 
 

@@ -36,7 +36,8 @@ from ..runner.ranks import ranks_label
 from .support import shared_fit
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
-from .support.observe import FitRecord, JoinUse, step_digest
+from .support.digests import step_digest
+from .support.fit_record import FitRecord, JoinUse
 from .support.progress import PeerFitFailed, guarded_fit
 
 #: optimizer steps of the fit on every rank but the last, which is given one fewer

@@ -20,6 +20,7 @@ from ddp_conformance.checks.elastic_resume import TOLERANCE, resized
 from ddp_conformance.checks.elastic_resume.global_batches import first_parting, per_step, unread
 from ddp_conformance.checks.elastic_resume.resized_groups import resume_resized
 from ddp_conformance.checks.elastic_resume.resized_rank import ResizedJob
+from ddp_conformance.checks.support.fit_watch import FitPlan
 from ddp_conformance.checks.support.observe import FitRecorder
 from ddp_conformance.config import RunConfig
 from ddp_conformance.resumable import ResumableDataLoader
@@ -125,7 +126,7 @@ def test_each_micro_batch_is_matched_with_the_batch_it_trained(loop, skip: int) 
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = (ResumableDataLoader if loop is resumed_loop else DataLoader)(Indexed(), batch_size=3)
-    with FitRecorder(draws=lambda batch: batch[0].tolist()) as recorder:
+    with FitRecorder(plan=FitPlan(draws=lambda batch: batch[0].tolist())) as recorder:
         loop(model, optimizer, loader, skip)
     trained = [[3 * b, 3 * b + 1, 3 * b + 2] for b in range(skip, 4)]
     assert recorder.record.step_draws() == [(step + 1, batch) for step, batch in enumerate(trained)]
@@ -134,7 +135,7 @@ def test_each_micro_batch_is_matched_with_the_batch_it_trained(loop, skip: int) 
 def test_batch_indices_are_asked_only_of_batches_the_batch_sampler_did_not_record() -> None:
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with FitRecorder(draws=lambda batch: [0]) as recorder:  # wrong on purpose: never asked
+    with FitRecorder(plan=FitPlan(draws=lambda batch: [0])) as recorder:  # wrong on purpose: never asked
         skipping_loop(model, optimizer, DataLoader(Indexed(), batch_size=6), 1)
     assert recorder.record.step_draws() == [(1, [6, 7, 8, 9, 10, 11])]
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from ddp_conformance.checks.initial_sync import judge
-from ddp_conformance.checks.support.start_state import BUFFER, PARAMETER, StartState, TensorState, WrapTime
+from ddp_conformance.checks.initial_sync.start_watch import BUFFER, PARAMETER, StartState, TensorState, WrapTime
 
 DEFAULT_WRAP = WrapTime(frozenset(), frozenset(), init_sync=True, init_buffers=True, forward_buffers=True,
                         had_buffers=True)

@@ -10,7 +10,7 @@ import pytest
 
 from ddp_conformance.checks.static_graph import ISSUE_143580, _Fit, _raised
 from ddp_conformance.checks.support.adapter_errors import AdapterError
-from ddp_conformance.checks.support.observe import FitRecord
+from ddp_conformance.checks.support.fit_record import FitRecord
 
 ASSERT = ('expect_autograd_hooks_ INTERNAL ASSERT FAILED at "torch/csrc/distributed/c10d/reducer.cpp":1732, '
           "please report a bug to PyTorch.")

@@ -15,19 +15,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddp_conformance.checks.support.norm_stats import NormLayer, NormWatch
+from ddp_conformance.checks.support.fit_record import FitRecord
 from ddp_conformance.checks.sync_batchnorm import TOLERANCE, judge, unconverted
+from ddp_conformance.checks.sync_batchnorm.norm_watch import NormLayer, NormWatch
+
+FIRST_MICRO_BATCH = FitRecord(micro_batches=1)  # as the recorder's record stands during the fit's first micro-batch
 
 
 def observed(module: torch.nn.Module, inputs: torch.Tensor, rows: slice | None = None) -> NormLayer:
     """What the recorder keeps of `module`'s forward on `inputs`, seen as the rank whose rows are `rows`."""
-    watch = NormWatch(torch.nn.Sequential(module))
-    watch.before(module)
+    watch = NormWatch()
+    watch.on_model(torch.nn.Sequential(module), FIRST_MICRO_BATCH)
+    watch.on_forward(module, 1, FIRST_MICRO_BATCH)
     output = module(inputs)
     if rows is None:
-        watch.after(module, (inputs,), output)
+        watch.on_forward_end(module, (inputs,), output, FIRST_MICRO_BATCH)
     else:
-        watch.after(module, (inputs[rows],), output[rows])
+        watch.on_forward_end(module, (inputs[rows],), output[rows], FIRST_MICRO_BATCH)
     (layer,) = watch.layers
     return layer
 
@@ -115,10 +119,11 @@ def test_running_statistics_that_were_not_updated_fail_even_when_the_output_is_r
 
 def test_layers_in_eval_mode_are_not_recorded():
     norm = torch.nn.BatchNorm1d(3).eval()
-    watch = NormWatch(torch.nn.Sequential(norm))
-    watch.before(norm)
-    watch.after(norm, (torch.randn(4, 3),), norm(torch.randn(4, 3)))
-    assert watch.layers == [] and list(watch.names.values()) == ["0"]
+    watch = NormWatch()
+    watch.on_model(torch.nn.Sequential(norm), FIRST_MICRO_BATCH)
+    watch.on_forward(norm, 1, FIRST_MICRO_BATCH)
+    watch.on_forward_end(norm, (torch.randn(4, 3),), norm(torch.randn(4, 3)), FIRST_MICRO_BATCH)
+    assert watch.layers == [] and watch.names == ["0"]
 
 
 @pytest.mark.parametrize(("asked", "why"), [(True, "trainer.sync_batchnorm is true"),

@@ -136,13 +136,14 @@ def test_bucket_view_verdicts_and_the_saving_threshold():
 def test_a_summed_loss_is_named_with_accumulation_too():
     import torch
 
-    from ddp_conformance.checks.gradient_equivalence import _verdict
+    from ddp_conformance.checks.gradient_equivalence import Setting, StepGradients, Worst, _verdict
 
     single = {"w": torch.ones(4)}
     own = {"w": torch.full((4,), 7.0)}
-    text = _verdict({"w": single["w"] / 2}, single, own, [], "w", 0.5, 1e-5, 1e-5, world=2)
+    text = _verdict(StepGradients({"w": single["w"] / 2}, single, own, []), Worst("w", 0.5, 1e-5), Setting(1e-5, 2))
     assert "exactly 1/2" in text and "summed" in text
-    text = _verdict({"w": single["w"] / 4}, single, own, [], "w", 0.75, 1e-5, 1e-5, world=2, accumulate=2)
+    text = _verdict(StepGradients({"w": single["w"] / 4}, single, own, []), Worst("w", 0.75, 1e-5),
+                    Setting(1e-5, 2, accumulate=2))
     assert "exactly 1/4" in text and "summed" in text
 
 
@@ -235,7 +236,7 @@ def test_inputs_that_hold_no_positional_tensor_are_not_taken_for_one_batch():
     import numpy as np
     import torch
 
-    from ddp_conformance.checks.support.observe import fed_digest
+    from ddp_conformance.checks.support.digests import fed_digest
 
     @dataclasses.dataclass
     class Batch:
@@ -292,7 +293,7 @@ def test_buffers_lost_only_off_rank_zero_are_named_as_rank_zero_s_buffers_restor
 
 def test_a_sampler_that_cannot_say_draws_with_replacement_when_a_rank_repeats_an_index():
     from ddp_conformance.checks.sampler_disjointness import _draws_with_replacement
-    from ddp_conformance.checks.support.observe import LoaderPass
+    from ddp_conformance.checks.support.fit_record import LoaderPass
 
     def drew(batches, replacement=None):
         return LoaderPass(length=len(batches), dataset_size=8, sampler="Mine", shuffle=None,

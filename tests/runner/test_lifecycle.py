@@ -152,7 +152,7 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
 def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forks that wait (on a fork server still importing torch) do not eat into the ranks' time to meet."""
     from ddp_conformance.runner.parent.fork_server import ForkServer
-    from ddp_conformance.runner.parent.rank_pool import RankPool
+    from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
 
     fork_server = ForkServer(start_timeout=300)
     fork = fork_server.fork
@@ -162,7 +162,7 @@ def test_the_start_timeout_counts_from_the_last_fork(monkeypatch: pytest.MonkeyP
         return fork(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(fork_server, "fork", slow_fork)
-    pool = RankPool(2, "gloo", start_timeout=4, rank_threads=1, fork_server=fork_server)
+    pool = RankPool(2, "gloo", start_timeout=4, devices=RankDevices(rank_threads=1), fork_server=fork_server)
     try:
         pool.start()  # 5 s of forks, then a rendezvous well within 4 s
         assert pool.ready
@@ -225,7 +225,7 @@ def test_the_fork_server_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a
     import pickle
 
     from ddp_conformance.runner.parent.fork_server import ForkServer
-    from ddp_conformance.runner.parent.rank_pool import RankPool
+    from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
     from ddp_conformance.runner.ranks import cpu_seconds
     from ddp_conformance.runner.wire import WARMUP, DdpPlan, Task
 
@@ -248,7 +248,8 @@ def test_the_fork_server_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a
         return sum(cpu_seconds(pid) or 0.0 for pid in fork_server.pids)
 
     def start(world_size: int) -> RankPool:
-        pools.append(RankPool(world_size, "gloo", start_timeout=300, rank_threads=1, fork_server=fork_server))
+        pools.append(RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1),
+                              fork_server=fork_server))
         pools[-1].start()
         return pools[-1]
 

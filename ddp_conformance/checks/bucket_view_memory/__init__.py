@@ -53,12 +53,16 @@ from .grad_views import (
     PAIRS,
     REQUIRED_SAVING,
     STEPS,
+    GradViews,
     fit_keeps_the_views,
+    gathered_views,
     gradient_bytes,
     saving_problem,
     within_noise,
 )
 
+#: what this check reads of the shared probe fit (`checks.PROBE_READERS`)
+PROBE_WATCHER = GradViews
 MEASURE_MODEL = ModelConfig(input_dim=256, hidden=(512, 512), num_classes=16)
 
 
@@ -164,7 +168,7 @@ def _fit_agrees(ctx: CheckContext, declared: bool | None,
     fit_flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
     ctx.figures["fit_ddp_gradient_as_bucket_view_per_rank"] = fit_flags
     if None in fit_flags or all(flag == bool(own_run.ddp_flag) for flag in fit_flags):
-        return fit_flags, all_gather(record.grads_were_views)
+        return fit_flags, gathered_views(record)
     if declared and not all(fit_flags):
         raise ctx.fail("gradient_as_bucket_view: true never reaches DDP in the fit: the DistributedDataParallel the "
                        "trainer's fit builds reports gradient_as_bucket_view=False, while its wrap() passes it on "

@@ -3,7 +3,7 @@ own DDP and its gradients at the optimizer step, from its real run.
 
 - The setting: a fit of STEPS optimizer steps under the fit recorder gives the settings of the DDP
   the fit builds (`record.ddp`: DDP's own attribute) and whether the gradients its first optimizer
-  step applied were views into DDP's buckets (`record.grads_were_views`).
+  step applied were views into DDP's buckets (`grad_views.GradViews`, a watcher of the fit).
 - No DDP: fail when the config claims the flag, else skip (rank_participation judges wrapping).
 - Off in the fit's DDP while `--ddp-config` claims it: fail ("never reaches DDP"), naming that the
   fit's own DDP reports False. Off and not claimed: skipped, with the would-be saving.
@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ...adapter import NotProvided
 from ...trainers.spec import SCRIPT
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, human_bytes
+from ..support.fit_watch import FitPlan
 from ..support.memory import heap_counter, settle
 from ..support.observe import ddp_argument_forced
 from ..support.progress import guarded_fit
@@ -45,7 +46,9 @@ from .grad_views import (
     MIN_GRAD_BYTES,
     PAIRS,
     STEPS,
+    GradViews,
     fit_keeps_the_views,
+    gathered_views,
     gradient_bytes,
     saving_problem,
     within_noise,
@@ -61,14 +64,14 @@ def judge_the_fit(ctx: CheckContext, missing: NotProvided) -> dict[str, Any]:
     ctx.require_shared_workdir()
     declared = ctx.config.trainer.strategy.gradient_as_bucket_view
     try:
-        guarded_fit(ctx, "fit-setting", STEPS, _fit(ctx))
+        guarded_fit(ctx, "fit-setting", STEPS, _fit(ctx), FitPlan(watchers=(GradViews,)))
     except NotProvided as exc:
         if exc.what != "fit":
             raise
         raise missing from None
     record = ctx.recordings.pop("fit-setting")
     flags = all_gather(None if record.ddp is None else bool(record.ddp.get("gradient_as_bucket_view")))
-    views = all_gather(record.grads_were_views)
+    views = gathered_views(record)
     grad_bytes = max(all_gather(0 if record.model is None else gradient_bytes(record.model)))
     device_type = _where_it_trains(ctx, record.model)
     del record  # its model and data are not held through the measured runs

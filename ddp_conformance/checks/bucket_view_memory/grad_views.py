@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..support.check_context import CheckContext, hide_on_verdict
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitWatcher
+from ..support.memory import shares_its_base
 
 MIN_GRAD_BYTES = 1 << 20
 REQUIRED_SAVING = 0.9
@@ -14,6 +17,25 @@ STEPS = 3  # as in docs/ddp-facts.md: grads are views only after the first step,
 PAIRS = 3  # (off, on) pairs after the two warm-up runs; the median pair is judged, robust to one stray allocation
 #: what a skip for a flag left off says instead of the saving, which is advice and measured on request
 ADVICE = "nothing to judge (--ddp-advise measures what turning it on would save)"
+
+
+class GradViews(FitWatcher):
+    """Whether every gradient the first optimizer step of a DDP model applied was a view into DDP's buckets
+    (`were_views`; None: no such step, or no gradient)."""
+
+    def __init__(self) -> None:
+        self.were_views: bool | None = None
+
+    def on_step(self, record: FitRecord) -> None:
+        if self.were_views is None and record.ddp is not None and record.model is not None:
+            grads = [p.grad for p in record.model.parameters() if p.grad is not None]
+            self.were_views = all(shares_its_base(g) for g in grads) if grads else None
+
+
+def gathered_views(record: FitRecord) -> list[bool | None]:
+    """Every rank's `GradViews.were_views` of its fit (None where the fit had no such watcher). Collective."""
+    watcher = record.watched(GradViews)
+    return all_gather(watcher.were_views if watcher is not None else None)
 
 
 def gradient_bytes(model: Any) -> int:

@@ -38,8 +38,9 @@ from ...config import reconcile
 from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, from_rank_zero, hide_on_verdict, rounded
 from ..support.first_steps import final_floats
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitPlan
 from ..support.gradients import max_delta
-from ..support.observe import FitRecord
 from ..support.progress import guarded_fit
 from .global_batches import Parting, first_parting, per_step, unread
 from .resized_groups import GroupResult, resume_resized
@@ -77,7 +78,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     figures: dict[str, Any] = {"checkpoint_step": k, "steps": n, "world_sizes": resized(ctx.world_size)}
     verdict = None
     if ctx.rank == 0:
-        verdict = _judge(ctx, state, per_step(gathered), checkpoint, (k, n, epoch), compare_final, figures)
+        final = final_floats(state) if compare_final else None
+        verdict = _judge(ctx, final, per_step(gathered), checkpoint, (k, n, epoch), figures)
     verdict, figures = from_rank_zero((verdict, figures))
     if verdict is not None:
         raise ctx.fail(verdict, **figures)
@@ -146,8 +148,8 @@ def _fit_here(ctx: CheckContext, k: int, n: int, once: bool) -> tuple[TrainState
     at = k if once else None
     fitter = writer
     state, _ = guarded_fit(ctx, "elastic-uninterrupted", n, lambda obs: fitter.fit(
-        n, checkpoint_dir=own_dir if once else None, checkpoint_at=at, observer=obs), inner=DropoutOff(),
-        draws=fitter.batch_indices)
+        n, checkpoint_dir=own_dir if once else None, checkpoint_at=at, observer=obs),
+        FitPlan(draws=fitter.batch_indices), DropoutOff())
     record = ctx.recordings["elastic-uninterrupted"]
     files = sorted(own_dir.iterdir(), key=lambda path: path.stat().st_mtime) if ctx.rank == 0 else []
     written = str(state.checkpoint) if state.checkpoint is not None else (str(files[-1]) if files else "")
@@ -169,12 +171,12 @@ class Shifted:
     shift: int
 
 
-def _judge(ctx: CheckContext, state: TrainState, expected: dict[int, list[int]], checkpoint: str,
-           plan: tuple[int, int, int], compare_final: bool, figures: dict[str, Any]) -> str | None:
-    """Rank 0: resume at each other world size; the first verdict, or None."""
+def _judge(ctx: CheckContext, final: dict[str, Any] | None, expected: dict[int, list[int]], checkpoint: str,
+           plan: tuple[int, int, int], figures: dict[str, Any]) -> str | None:
+    """Rank 0: resume at each other world size; the first verdict, or None. `final`: the uninterrupted fit's
+    final parameters, where they tell a resize's apart (`_final_states_tell`), else None."""
     k, n, epoch = plan
     shifted: list[Shifted] = []
-    final = final_floats(state)
     seconds = min(GROUP_SECONDS[1], max(GROUP_SECONDS[0], 4 * ctx.stall_after))
     for size in resized(ctx.world_size):
         config, _ = reconcile(shared_fit.steady_config(ctx), world_size=size, backend="gloo", device_type="cpu",
@@ -185,7 +187,7 @@ def _judge(ctx: CheckContext, state: TrainState, expected: dict[int, list[int]],
             group = resume_resized(job, ctx.workdir / "logs" / f"ws{size}")
         head = (f"resumed at world size {size} from the checkpoint written at world size {ctx.world_size} after "
                 f"step {k}")
-        found = _group_verdict(group, head, expected, final if compare_final else None, (k, n), figures)
+        found = _group_verdict(group, head, expected, final, (k, n), figures)
         if isinstance(found, str):
             return found
         if found is not None:

@@ -25,6 +25,7 @@ from ...adapter import FitObserver, RankContext
 from ...config import RunConfig
 from ...trainers.spec import TrainerSpec
 from ..support.first_steps import final_floats, zero_dropout
+from ..support.fit_watch import FitPlan
 from ..support.observe import FitRecorder, ObservedState
 
 #: prctl's option that has the kernel signal a process when the thread that started it ends
@@ -99,7 +100,7 @@ def _resume(job: ResizedJob, rank: int) -> RankAnswer:
     adapter = job.spec.resolve()()
     adapter.setup(job.config, RankContext(rank=rank, local_rank=rank, world_size=job.world_size, backend="gloo",
                                           device="cpu", workdir=job.workdir))
-    with FitRecorder(listener=DropoutOff(), rank=rank, draws=adapter.batch_indices) as recorder:
+    with FitRecorder(DropoutOff(), rank, FitPlan(draws=adapter.batch_indices)) as recorder:
         result = adapter.resume(job.checkpoint, job.steps)
     record = recorder.record
     state = ObservedState.of(result, record)

@@ -33,7 +33,7 @@ one on the global batch its ranks drew (`script_step.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -150,8 +150,8 @@ def _first_step(ctx: CheckContext, adapter: Any, single: Any, batch: GlobalBatch
     vacuous = [v for v in all_gather(_vacuous(ddp_g, single_g, single_loss)) if v]
     if vacuous:
         skip_as_vacuous(vacuous[0])
-    verdicts = all_gather(_verdict(ddp_g, single_g, own_g, missing, name, delta, tolerance, rtol, world, accumulate,
-                                   cause, left_out))
+    verdicts = all_gather(_verdict(StepGradients(ddp_g, single_g, own_g, missing), Worst(name, delta, tolerance),
+                                   Setting(rtol, world, accumulate), cause, left_out))
     failing = [v for v in verdicts if v]
     scaled = scaled_clipping(all_gather(watch.record)) if failing else ""
     if scaled:  # the step is ~1/scale of the reference for a reason of the scaler's, alike in any world
@@ -245,11 +245,40 @@ def _left_out(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, 
     return scale > 0 and delta <= closeness(rtol) * scale
 
 
-def _verdict(ddp_g: dict[str, Any], single_g: dict[str, Any], own_g: dict[str, Any], missing: list[str],
-             name: str, delta: float, tolerance: float, rtol: float, world: int, accumulate: int = 1,
-             cause: str = "", left_out: list[int] | None = None) -> str:
+@dataclass(frozen=True)
+class StepGradients:
+    """This rank's gradients of one step by name: DDP's, the single-process gradient of the global batch, the
+    gradient of this rank's shard alone ({} where not asked), and the parameters DDP gave none."""
+
+    ddp: dict[str, Any]
+    single: dict[str, Any]
+    own: dict[str, Any]
+    missing: list[str]
+
+
+class Worst(NamedTuple):
+    """The parameter whose DDP gradient is farthest from the single-process one, and the tolerance it had."""
+
+    name: str
+    delta: float
+    tolerance: float
+
+
+class Setting(NamedTuple):
+    """What the gradients are judged under: the relative tolerance, the world size, the config's accumulation."""
+
+    rtol: float
+    world: int
+    accumulate: int = 1
+
+
+def _verdict(grads: StepGradients, worst: Worst, setting: Setting, cause: str = "",
+             left_out: list[int] | None = None) -> str:
     """This rank's diagnosis, or "" when the gradients match; `cause`: what the losses say about a
     gradient of 1/world (`_scale_cause`); `left_out`: the ranks whose shard DDP's gradient lacks."""
+    ddp_g, single_g, own_g, missing = grads.ddp, grads.single, grads.own, grads.missing
+    name, delta, tolerance = worst
+    rtol, world, accumulate = setting
     if missing:
         return (f"parameter {missing[0]} gets no gradient from the DDP step but does from the single-process "
                 f"loss ({len(missing)} parameter(s) in all): the trainer's step does not backpropagate into them")

@@ -4,7 +4,7 @@
 zero gradients differently (a loss divided by the world size in the loop, `zero_grad` on every
 micro-batch of an accumulation window, a loss never divided by the accumulation). So the
 dropout-free fit other checks share (`shared_fit.steady`) runs under the recorder
-(`observe.FirstStep`), which keeps the parameters before its first micro-batch, the gradients its
+(`fit_record.FirstStep`), which keeps the parameters before its first micro-batch, the gradients its
 first optimizer step applied, and the dataset indices each rank's loader drew.
 Every rank then recomputes in one process (`world_of_one`, the trainer as set up in a world of one)
 the gradient of all the samples the ranks drew for that step, from those parameters, with the
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,9 +35,18 @@ from ..support import shared_fit
 from ..support.amp_watch import scaled_clipping
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank, rounded
 from ..support.first_steps import overflow_reason
-from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta, single_process_adapter
+from ..support.fit_record import FitRecord
+from ..support.gradients import (
+    FirstStepShape,
+    Recompute,
+    clipping,
+    fit_diagnosis,
+    is_accumulation_cause,
+    max_delta,
+    single_process_adapter,
+)
 from ..support.model_state import item_digest
-from ..support.observe import FitRecord, trains_batchnorm
+from ..support.observe import trains_batchnorm
 from ..support.one_world import world_of_one
 
 
@@ -105,7 +114,7 @@ def first_step_compared(ctx: CheckContext, single: Any, rtol: float,
         return ("the fit's first optimizer step is not recomputed: make_dataset() does not hold the items the fit's "
                 "loader yielded at the indices it drew (data built anew per call, as random tensors drawn without "
                 "a seed; see data_consistency)")
-    return _compare(ctx, adapter, single, record, drawn, rtol, dataset)
+    return _compare(ctx, (adapter, single), record, Drawn(drawn, dataset), rtol)
 
 
 def _fed_other_items(adapter: Any, dataset: Any, first: Any, sampled: list[list[int]]) -> bool:
@@ -143,8 +152,19 @@ def _unjudgeable(record: FitRecord) -> str:
     return ""
 
 
-def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, drawn: list[list[list[int]]],
-             rtol: float, dataset: Any) -> FirstStepCompared | str:
+class Drawn(NamedTuple):
+    """What the fit's first step drew: every rank's micro-batches as dataset indices, and the dataset they index."""
+
+    batches: list[list[list[int]]]
+    dataset: Any
+
+
+def _compare(ctx: CheckContext, trainers: tuple[Any, Any], record: FitRecord, drawn_from: Drawn,
+             rtol: float) -> FirstStepCompared | str:
+    """The fit's first step against the single-process gradient of what it drew, recomputed by the second of
+    `trainers` (the trainer's adapter, the single-process reference)."""
+    adapter, single = trainers
+    drawn, dataset = drawn_from
     first = record.first_step
     assert first is not None and first.grads is not None
 
@@ -176,8 +196,8 @@ def _compare(ctx: CheckContext, adapter: Any, single: Any, record: FitRecord, dr
                "fit_step_max_rel_delta": delta / scale if scale else 0.0}
     where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(rtol * scale)})"
     verdict = "" if delta <= rtol * scale else fit_diagnosis(
-        fit, whole, lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn]),
-        ctx.world_size, first.micro_batches, rtol, where)
+        fit, whole, Recompute(lambda: gradient([drawn[ctx.rank]]), lambda: gradient([[rank[-1]] for rank in drawn])),
+        FirstStepShape(ctx.world_size, first.micro_batches, rtol), where)
     clipped = clipping(fit, whole, rtol) if delta > rtol * scale and not verdict else ""
     return FirstStepCompared(verdict, clipped, first.micro_batches, figures)
 

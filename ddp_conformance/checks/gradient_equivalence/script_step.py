@@ -47,16 +47,10 @@ from ...adapter import NotProvided
 from ..support import session_evidence
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
 from ..support.first_steps import overflow_reason
-from ..support.gradients import clipping, fit_diagnosis, max_delta
-from ..support.observe import (
-    FitRecord,
-    FitRecorder,
-    children,
-    ddp_argument_forced,
-    rebuilt,
-    trains_batchnorm,
-    unwrapped,
-)
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitPlan
+from ..support.gradients import FirstStepShape, Recompute, clipping, fit_diagnosis, max_delta
+from ..support.observe import FitRecorder, children, ddp_argument_forced, rebuilt, trains_batchnorm, unwrapped
 from ..support.one_world import without_comm_hooks, world_of_one
 from ..support.progress import guarded_fit
 from ..support.vacuity import skip_as_vacuous
@@ -80,8 +74,8 @@ def judge_script_step(ctx: CheckContext, adapter: Any, missing: NotProvided) -> 
     ctx.require_shared_workdir()
     try:
         with without_dropout():
-            guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True,
-                        keep_batches=True)
+            guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), FitPlan(first_step=True,
+                        keep_batches=True))
     except NotProvided:
         pytest.skip(str(missing))
     record = ctx.recordings[LABEL]
@@ -113,8 +107,8 @@ def judge_script_step(ctx: CheckContext, adapter: Any, missing: NotProvided) -> 
     if vacuous:
         skip_as_vacuous(vacuous[0])
     verdict = ("" if delta <= rtol * scale else fit_diagnosis(
-        fit, whole, lambda: _judged_or_none(lambda: rerun.gradients(ranks[ctx.rank])), lambda: None,
-        ctx.world_size, first.micro_batches, rtol, where))
+        fit, whole, Recompute(lambda: _judged_or_none(lambda: rerun.gradients(ranks[ctx.rank])), lambda: None),
+        FirstStepShape(ctx.world_size, first.micro_batches, rtol), where))
     failing = [v for v in all_gather(in_the_hook(verdict, record)) if v]
     if failing:
         raise ctx.fail(failing[0], **figures)
@@ -286,8 +280,8 @@ class _Rerun:
             stack.enter_context(ddp_argument_forced("process_group", self.group))
             stack.enter_context(fed.patched(self.loader_pass))
             hooks = stack.enter_context(without_comm_hooks())
-            recorder = stack.enter_context(FitRecorder(first_step=True,
-                                                       on_first_micro_batch=lambda m: self._set(m, mismatch)))
+            recorder = stack.enter_context(FitRecorder(plan=FitPlan(
+                first_step=True, on_first_micro_batch=lambda m: self._set(m, mismatch))))
             try:
                 with self.ctx.training(1):
                     (self.ctx.adapter(self.config) if self.config is not None else self.ctx.adapter()).fit(1)

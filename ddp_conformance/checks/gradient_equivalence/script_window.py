@@ -24,7 +24,8 @@ import pytest
 from ...adapter import NotProvided
 from ..support.accumulation_watch import HeldWatch, at_k, thrown_away, window_per_step
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
-from ..support.gradients import clipping, fit_diagnosis, is_accumulation_cause, max_delta
+from ..support.fit_watch import FitPlan
+from ..support.gradients import FirstStepShape, Recompute, clipping, fit_diagnosis, is_accumulation_cause, max_delta
 from ..support.progress import guarded_fit
 from ..support.vacuity import skip_as_vacuous
 from .script_step import (
@@ -57,8 +58,8 @@ def judge_script_window(ctx: CheckContext, adapter: Any, carried: bool, figures:
     watch = HeldWatch()
     try:
         with without_dropout():
-            guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), inner=watch,
-                        first_step=True, keep_batches=True)
+            guarded_fit(ctx, LABEL, 1, lambda observer: adapter.fit(1, observer=observer), FitPlan(first_step=True,
+                        keep_batches=True), watch)
     except NotProvided as exc:
         pytest.skip(str(exc))
     finally:
@@ -99,8 +100,9 @@ def judge_script_window(ctx: CheckContext, adapter: Any, carried: bool, figures:
         skip_as_vacuous(vacuous[0])
     where = f"(parameter {name}, max |delta| {rounded(delta)}, tolerance {rounded(rtol * scale)})"
     verdict = "" if delta <= rtol * scale else fit_diagnosis(
-        fit, whole, lambda: _judged_or_none(lambda: rerun.gradients([own])),
-        lambda: _judged_or_none(lambda: rerun.gradients([last])), ctx.world_size, first.micro_batches, rtol, where)
+        fit, whole, Recompute(lambda: _judged_or_none(lambda: rerun.gradients([own])),
+                              lambda: _judged_or_none(lambda: rerun.gradients([last]))),
+        FirstStepShape(ctx.world_size, first.micro_batches, rtol), where)
     verdicts = [v for v in all_gather(verdict) if v]
     if verdicts and is_accumulation_cause(verdicts[0]):
         raise ctx.fail(verdicts[0], **figures)

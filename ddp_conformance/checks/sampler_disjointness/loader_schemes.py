@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict
-from ..support.observe import LoaderPass
+from ..support.fit_record import LoaderPass
 from ..support.sampling import replayed_epoch
 
 

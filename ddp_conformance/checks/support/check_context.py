@@ -24,7 +24,8 @@ from ...trainers.spec import TrainerSpec
 from .adapter_errors import AdapterError, CallNamingAdapter
 
 if TYPE_CHECKING:
-    from .observe import FitRecord
+    from .fit_record import FitRecord
+    from .fit_watch import FitWatcher
 
 
 class CheckFailed(AssertionError):
@@ -36,6 +37,22 @@ def hide_on_verdict(info: Any) -> bool:
     """For `__tracebackhide__`: a verdict is the message, not the check's source, so the check's
     frames are left out of a CheckFailed traceback (and kept for any other error, a check's bug)."""
     return bool(info.errisinstance(CheckFailed))
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What the pytest process decides for a check and pickles to the ranks.
+
+    `stall_after` is how long every rank may go without progress, once some rank has left its
+    fit, before the fit counts as hung: it is derived from the test timeout so that the check's own
+    verdict (naming the ranks that stopped) arrives before the harness's generic timeout.
+    """
+
+    trainer: TrainerSpec  # parsed once in the pytest process; resolved (imported) in each rank
+    config: RunConfig  # the `--ddp-config` file, read once in the pytest process
+    stall_after: float
+    advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
+    max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
 
 
 @dataclass
@@ -65,14 +82,16 @@ class CheckContext:
     shared: bool = True
     advise: bool = False  # `--ddp-advise`: measure what a setting the config leaves off would give
     max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
+    # what makes the watchers of the checks that read the shared probe fit (`checks.probe_watchers`)
+    probe_watchers: tuple[Callable[[], FitWatcher], ...] = ()
     began: float = field(default_factory=time.perf_counter)
     _depth: int = 0
 
     @classmethod
-    def create(cls, check_id: str, spec: TrainerSpec, config: RunConfig, stall_after: float, ddp: Any,
-               workdir: Path, figures: dict[str, Any], advise: bool = False,
-               max_steps: int | None = None) -> CheckContext:
+    def create(cls, check_id: str, options: CheckOptions, ddp: Any, workdir: Path,
+               figures: dict[str, Any]) -> CheckContext:
         """This rank's context: the SPEC resolved here, the session's config fitted to this group."""
+        spec, config = options.trainer, options.config
         factory = spec.resolve()
         rank_ctx = RankContext.from_fixture(ddp, workdir)
         config, notes = reconcile(config, world_size=rank_ctx.world_size, backend=rank_ctx.backend,
@@ -80,8 +99,8 @@ class CheckContext:
         figures.update(world_size=rank_ctx.world_size, backend=rank_ctx.backend)
         shared = shared_directory(workdir / check_id, rank_ctx.rank)
         ctx = cls(check_id=check_id, spec=spec, factory=factory, config=config, rank_ctx=rank_ctx, ddp=ddp,
-                  workdir=shared or workdir / check_id, stall_after=stall_after, figures=figures,
-                  shared=shared is not None, advise=advise, max_steps=max_steps)
+                  workdir=shared or workdir / check_id, stall_after=options.stall_after, figures=figures,
+                  shared=shared is not None, advise=options.advise, max_steps=options.max_steps)
         ctx.workdir.mkdir(parents=True, exist_ok=True)
         ctx.config_notes = notes
         return ctx

@@ -3,7 +3,7 @@
 The checks that hold a setting to "the same training either way" (mixed_precision's steps against
 fp32's, bucket_cap_mb_invariance's fits across bucket sizes, static_graph's with and without) run the
 fit once per setting with the config's dropout at 0, so that the runs differ by the setting alone,
-and compare the gradients the first optimizer step applied (`first_step`: `observe.FirstStep`, read in
+and compare the gradients the first optimizer step applied (`first_step`: `fit_record.FirstStep`, read in
 its pre-step hook) or the final states (`final_floats`).
 """
 
@@ -19,7 +19,9 @@ from torch import nn
 from ...adapter import TrainerAdapter, TrainState
 from ...config import RunConfig
 from .check_context import CheckContext
-from .observe import FitRecord, unwrapped
+from .fit_record import FitRecord
+from .fit_watch import FitPlan
+from .observe import unwrapped
 from .progress import guarded_fit
 
 
@@ -76,7 +78,7 @@ def overflow_reason(skipped: int) -> str:
 def first_step(ctx: CheckContext, label: str, adapter: TrainerAdapter) -> tuple[dict[str, Any], FitRecord]:
     """The gradients the fit's first optimizer step applied, by parameter name (float64, CPU), and the
     fit's record (as `ctx.recordings[label]`); skips when it applied none."""
-    guarded_fit(ctx, label, 1, lambda observer: adapter.fit(1, observer=observer), first_step=True)
+    guarded_fit(ctx, label, 1, lambda observer: adapter.fit(1, observer=observer), FitPlan(first_step=True))
     record = ctx.recordings[label]
     first = record.first_step
     if first is None or first.grads is None or record.model is None:

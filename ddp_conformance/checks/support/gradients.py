@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -146,13 +146,30 @@ def is_accumulation_cause(verdict: str) -> bool:
     return verdict.startswith(ACCUMULATION_CAUSES)
 
 
-def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], own: Callable[[], Any], last: Callable[[], Any],
-               world: int, micro: int, rtol: float, where: str) -> str:
+class Recompute(NamedTuple):
+    """Other single-process gradients of a fit's first step, each computed only when a diagnosis needs it: of
+    this rank's samples alone (`own`), and of each rank's last micro-batch alone (`last`)."""
+
+    own: Callable[[], Any]
+    last: Callable[[], Any]
+
+
+class FirstStepShape(NamedTuple):
+    """What a fit's first step is judged under: the world size, its micro-batches, the relative tolerance."""
+
+    world: int
+    micro: int
+    rtol: float
+
+
+def fit_diagnosis(fit: dict[str, Any], whole: dict[str, Any], recompute: Recompute, shape: FirstStepShape,
+                  where: str) -> str:
     """Why the gradients a fit's first optimizer step applied differ from `whole`, the single-process
     gradient of the samples its ranks drew for it, or "" for clipping (gradient_equivalence's
-    fit_step.py, script_step.py);
-    `own` (this rank's samples alone) and `last` (each rank's last micro-batch alone) recompute other
-    gradients, only when a diagnosis needs them."""
+    fit_step.py, script_step.py); `where`: the worst parameter, its |delta| and the tolerance, as the verdict
+    names them."""
+    own, last = recompute
+    world, micro, rtol = shape
     drew = f"the single-process gradient of the samples its ranks drew for it ({micro} micro-batch(es) per rank)"
 
     def applies(how: str) -> str:  # the evidence, after the cause: a failure's first line names the cause

@@ -10,7 +10,7 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   for a DDP model also its settings and whether the micro-batch synchronised gradients
   (`require_backward_grad_sync`, which `no_sync()` clears);
 - every optimizer step, through the global `register_optimizer_step_pre_hook`/`_post_hook`, and
-  whether the gradients it applied were all exactly zero; on request (`first_step=True`) the first
+  whether the gradients it applied were all exactly zero; on request (the plan's `first_step`) the first
   step itself: the parameters before its first micro-batch and the gradients the optimizer applied
   (read after the step's closure where it has one, as Lightning's automatic optimization passes);
 - every pass of a DataLoader over its data (and its dataset) and the dataset indices each batch drew,
@@ -20,7 +20,7 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   as length-bucketing samplers are written). A loader whose batches are not lists of indices is
   recorded without them, and every pass keeps a digest of each training micro-batch's inputs: what
   the rank was fed, whatever made the batches;
-- on request (`keep_batches=True`, with `first_step=True`) the batches a DataLoader yielded for the
+- on request (the plan's `keep_batches`, with `first_step`) the batches a DataLoader yielded for the
   first step's micro-batches, as CPU copies: at each training micro-batch before the first step, the
   batch the newest pass last yielded and how many it had yielded (a script that reads its loader
   ahead of its forwards yields more than one per micro-batch), for a rerun fed the same batches.
@@ -33,6 +33,8 @@ while a check runs `fit`/`resume`, a `FitRecorder` watches the process:
   applied step it is recorded (`FirstStep.overflowed`), not mistaken for a longer window.
 - the precision each micro-batch ran at (autocast and its dtype), the GradScaler's scale, `unscale_` and
   skipped steps, and gradient clipping on gradients still scaled (`amp_watch.AmpWatch`, `FitRecord.amp`).
+- whatever one check alone reads, by the watchers the check's plan brings (`fit_watch.FitWatcher`), each
+  called at the moments it asks for; the recorder knows none of them by name.
 
 Hooks are process-wide, so the fit may run in another thread (progress.guarded_fit does). One
 recorder at a time: a rank runs one fit at a time. A `listener` (a `FitObserver`) hears the fit in
@@ -44,16 +46,12 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
-import dataclasses
-import hashlib
 import inspect
 import numbers
 import threading
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 from unittest import mock
 
 import torch
@@ -65,17 +63,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, Subset
 
 from ...adapter import StepInfo, TrainState
-from ...resumable import capture_rng_state
 from . import loader_wrappers
-from .amp_watch import AmpRecord, AmpWatch
-from .memory import shares_its_base
-from .norm_stats import BATCH_NORMS, NormLayer, NormWatch
-from .replica_watch import ReplicaTrail, ReplicaWatch
-from .start_state import StartState, WrapTime, after_states, bind_ddp_arguments, tensor_states
-from .tensor_bytes import bit_sums, readable_bytes
+from .amp_watch import AmpWatch
+from .digests import fed_digest, input_digest, nonzero
+from .fit_record import DIGESTED_INPUTS, FirstStep, FitRecord, JoinUse, LoaderPass, RngMark, base_index
+from .fit_watch import HOOKS, RECORD_ONLY, FitPlan, overridden
+from .replica_watch import ReplicaWatch
 
-DIGESTED_STEPS = 64  # the parameters are digested after each of the first optimizer steps, no more
-DIGESTED_INPUTS = 256  # a loader pass's micro-batch inputs are digested up to this many
 #: with `draws`: the latest batches a micro-batch may have come from (a loop holds one, or two reading ahead)
 HELD_BATCHES = 8
 TRACED_RNG = 4096  # the RNG state is kept for the first micro-batches, no more (`FitRecord.rng_trail`)
@@ -85,6 +79,8 @@ DDP_SETTINGS = ("gradient_as_bucket_view", "static_graph", "find_unused_paramete
 
 #: what `comm_hook_name` says where this torch's DDP does not tell: a hook may be there
 UNKNOWN_HOOK = "unknown"
+#: the BatchNorm layers, by their public classes (torch's own conversion tests its private `_BatchNorm`)
+BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
 
 def comm_hook_name(model: DistributedDataParallel) -> str | None:
@@ -97,243 +93,25 @@ def comm_hook_name(model: DistributedDataParallel) -> str | None:
     return logging_data().get("comm_hook") or None
 
 
-@dataclass
-class LoaderPass:
-    """One `iter()` of a DataLoader: its length, dataset size, sampler and the index batches drawn.
-
-    `trained` says whether a training forward of a DDP model ran while this pass was the newest
-    one, which separates the training loader's passes from validation or sanity-check passes."""
-
-    length: int | None
-    dataset_size: int | None
-    sampler: str
-    shuffle: bool | None
-    replacement: bool | None = None  # the sampler draws with replacement (RandomSampler, WeightedRandomSampler)
-    iterable: bool = False  # an IterableDataset: no indices, the dataset decides what each rank reads
-    batches: list[list[int]] = field(default_factory=list)
-    indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
-    tail: int = 0  # samples a BatchSampler(drop_last=True) leaves out at the end of each epoch's share
-    # a loader over a Subset (a rank's own shard, a curriculum stage, a random_split): `batches` are the
-    # Subset's own indices; `index_map` maps them to the underlying dataset's (`base_size` samples),
-    # and `universe` (sorted) is the part of it the Subset holds
-    base_size: int | None = None
-    universe: list[int] | None = None
-    index_map: list[int] | None = field(default=None, repr=False)
-    # the batch samplers wrapping the loader's own, outermost first (accelerate's "BatchSamplerShard (process 1 of
-    # 2) over BatchSampler"), whose batches are the ones recorded; None where none wraps it (`loader_wrappers`)
-    wrappers: str | None = None
-    # the loader is read by a wrapper that takes every rank's batches on one process and sends each its slice
-    # (accelerate's dispatch_batches): what a rank's own DataLoader draws is not what it trains
-    dispatched: bool = False
-
-    def base_batches(self) -> list[list[int]]:
-        """The batches as indices of the dataset under any Subsets."""
-        return [[_through(self.index_map, i) for i in batch] for batch in self.batches]
-    trained: bool = False
-    # with `draws`: the indices of each batch the pass yielded to the loop (what it trains, read-ahead included;
-    # batches a resumed loader skips are drawn from its sampler but never yielded), None where they cannot be read
-    yielded: list[list[int] | None] = field(default_factory=list)
-    inputs: list[str | None] = field(default_factory=list)  # digests of its training micro-batches' inputs
-    # (`fed_digest`): the first, and without indices the first DIGESTED_INPUTS: what each rank was fed
-    # the loader's dataset itself: data_consistency reads it by index when the trainer cannot build it
-    # on its own (a script); never gathered across ranks
-    dataset: Any = field(default=None, repr=False)
-
-    @property
-    def first_input(self) -> str | None:
-        return self.inputs[0] if self.inputs else None
-
-
-class RngMark(NamedTuple):
-    """torch's CPU RNG state as a micro-batch began: what a resumed run must start from to draw what the
-    uninterrupted run drew there."""
-
-    steps: int  # optimizer steps taken before this micro-batch
-    rng: str  # a digest of the RNG state at its forward
-    loader_drew: bool  # a DataLoader drew its own seeds since the micro-batch before it (or since the fit began)
-
-
-@dataclass
-class FirstStep:
-    """The fit's first optimizer step as the optimizer got it, in `model.parameters()` order of the
-    model the micro-batches ran through (unwrapped): enough to recompute that step in one process."""
-
-    params: list[Any]  # CPU copies, before the first micro-batch
-    grads: list[Any] | None = None  # float64 CPU copies of the gradients the first step applied
-    micro_batches: int = 0  # micro-batches that went into them
-    rng_drawn: bool = False  # torch's CPU or CUDA RNG advanced during them (dropout, random augmentation...)
-    # optimizer steps a GradScaler skipped before it (their scaled gradients held inf or NaN, as at a first
-    # step's initial scale): their micro-batches are counted in `micro_batches` but not in `grads`
-    overflowed: int = 0
-    # with keep_batches: per micro-batch, the batch the newest DataLoader pass last yielded (a CPU copy;
-    # None when that pass had yielded none), that pass's index in `FitRecord.passes` (None: no pass)
-    # and how many batches it had yielded
-    batches: list[Any] = field(default_factory=list, repr=False)
-    sources: list[tuple[int | None, int]] = field(default_factory=list)
-
-
-@dataclass
-class StepSnapshot:
-    """Where a fit stood right after training step `step` (`FitRecorder(snapshot_at=step)`): what a
-    checkpoint written there holds, read without stopping the fit there. Steps are counted by the
-    first optimizer that stepped, and the snapshot is taken again after every other optimizer's step
-    in the same iteration (a Muon beside an AdamW), so it holds the iteration's end."""
-
-    step: int
-    micro_batches: int  # the fit's micro-batches up to and including that step's
-    state: dict[str, Any] = field(repr=False)  # the model's state_dict, CPU copies, as the trainer names it
-    buffer_names: list[str] = field(default_factory=list)
-    rng: dict[str, Any] = field(default_factory=dict, repr=False)  # the process's RNGs (`capture_rng_state`)
-
-
-class JoinUse(NamedTuple):
-    """One `torch.distributed.algorithms.Join` the fit built: what it joins and how."""
-
-    joinables: tuple[str, ...]  # the class names of the Joinables it shadows (DistributedDataParallel, ...)
-    enable: bool
-    throw_on_early_termination: bool
-
-
-@dataclass
-class FitRecord:
-    """Everything one fit did on this rank, as the hooks saw it."""
-
-    ddp: dict[str, Any] | None = None  # the settings of the first DDP module that ran forward
-    model_type: str = ""  # the class of the model the micro-batches ran through
-    micro_batches: int = 0
-    synced: list[bool] = field(default_factory=list)  # per micro-batch of a DDP model
-    optimizer_steps: int = 0  # as the trainer counts them: a step a GradScaler skipped counts too
-    iterations: int = 0  # steps of the first optimizer that stepped: one an iteration, however many step
-    grad_steps: int = 0  # optimizer steps that found gradients on their parameters
-    nonzero_grad_steps: int = 0  # ... of which some gradient was nonzero
-    # whether this rank's own backward (before DDP averages it with the other ranks') ever gave a
-    # parameter of the model a nonzero gradient; None: no backward reached the model's parameters
-    local_grad_nonzero: bool | None = None
-    # the micro-batches ran through a module a DistributedDataParallel built during the fit wraps
-    # (`model.module(x)`): DDP's forward, which readies its reducer, never ran
-    bypassed_ddp: bool = False
-    ddp_modules: list[Any] = field(default_factory=list, repr=False)  # the modules DDPs built in the fit wrap
-    passes: list[LoaderPass] = field(default_factory=list)
-    first_rng: str | None = None  # a digest of torch's RNG state (CPU, and CUDA once in use) at the first micro-batch
-    # whether the trainer drew from torch's RNG (CPU, and CUDA once in use) after its first micro-batch (dropout,
-    # augmentation, batches drawn with torch.randint), not counting a DataLoader's own draws as it begins a pass
-    # (its `_base_seed`, a RandomSampler's seed): every loader without a generator makes those, whatever the
-    # trainer does
-    rng_consumed: bool | None = None
-    rng_trail: list[RngMark] = field(default_factory=list)  # per micro-batch, the first TRACED_RNG
-    step_digests: list[str] = field(default_factory=list)  # the parameters after each of the first steps (on request)
-    # whether every gradient the first optimizer step of a DDP model applied was a view (into DDP's
-    # buckets, with gradient_as_bucket_view); None: no such step
-    grads_were_views: bool | None = None
-    model: Any = field(default=None, repr=False)  # the model the micro-batches ran through
-    optimizers: list[Any] = field(default_factory=list, repr=False)  # every optimizer that stepped, first first
-    outside_start: dict[str, str] = field(default_factory=dict)  # stepped_outside_model's digests before its step
-    first_step: FirstStep | None = field(default=None, repr=False)  # only when the recorder was asked
-    snapshot: StepSnapshot | None = field(default=None, repr=False)  # only when the recorder was asked
-    # with keep_params_at=j: the model's parameters right after optimizer step j (CPU copies, as the trainer names
-    # them): what another fit's parameters at the same step are compared with, within a tolerance
-    kept_params: dict[str, Any] | None = field(default=None, repr=False)
-    # with watch_norms: the BatchNorm layers of the model (by name), and what those in training mode did in
-    # the first micro-batch (`norm_stats`)
-    norm_names: list[str] = field(default_factory=list)
-    norm_layers: list[NormLayer] = field(default_factory=list, repr=False)
-    # with watch_start: every parameter and buffer at the first forward and at the fit's end (`start_state`)
-    start_state: StartState | None = field(default=None, repr=False)
-    wraps: dict[int, WrapTime] = field(default_factory=dict, repr=False)  # id(module) -> what its DDP took over
-    joins: list[JoinUse] = field(default_factory=list)  # every `Join` context the fit built (DDP's `join()` too)
-    # with `draws`: per micro-batch, (the pass newest at its forward, the batch of it the micro-batch trained, -1 if
-    # unknown, optimizer steps taken before it)
-    micro_draws: list[tuple[int, int, int]] = field(default_factory=list)
-    # each module's training flag and the no-gradient parameters' changes, per micro-batch (`replica_watch`)
-    replicas: ReplicaTrail = field(default_factory=ReplicaTrail)
-    # autocast per micro-batch, GradScaler use, clipping on still-scaled gradients (`amp_watch`)
-    amp: AmpRecord = field(default_factory=AmpRecord)
-
-    @property
-    def optimizer(self) -> Any:
-        """The first optimizer that stepped (None before any step)."""
-        return self.optimizers[0] if self.optimizers else None
-
-    def training_passes(self) -> list[LoaderPass]:
-        return [p for p in self.passes if p.trained]
-
-    def stepped_outside_model(self) -> dict[str, Any]:
-        """The trainable tensors the fit's optimizers step that the model its micro-batches ran through
-        does not hold (a learnable loss temperature beside the DDP model): DDP all-reduces only the
-        gradients of the module it wraps, so nothing keeps these in step across ranks. Named by their
-        place in the optimizer, the only name they have here."""
-        inside = {id(p) for p in self.model.parameters()} if self.model is not None else set()
-        found: dict[str, Any] = {}
-        for o, optimizer in enumerate(self.optimizers):
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    if id(param) not in inside and param.requires_grad:
-                        where = f"optimizer {o} " if o else "optimizer "
-                        shape = f"shape {tuple(param.shape)}" if param.dim() else "a scalar"
-                        found[f"{where}param_groups[{g}][{i}], {shape}"] = param.detach()
-        return found
-
-    def outside_digests(self) -> dict[str, tuple[str, str]]:
-        """(digest before the fit's first optimizer step, digest now) of each tensor stepped outside
-        the model: only those that start alike on every rank are replicas that must stay alike (a
-        model-parallel shard starts, and stays, different per rank by design)."""
-        now = self.stepped_outside_model()
-        return {name: (start, input_digest(now[name])) for name, start in self.outside_start.items() if name in now}
-
-    def step_draws(self) -> list[tuple[int, list[int] | None]]:
-        """With `draws`: per micro-batch, (the optimizer step it adds to, counted from 1, the dataset indices it
-        trained, None where they are not known)."""
-        return [(steps + 1, self.passes[index].yielded[nth] if index >= 0 and nth >= 0 else None)
-                for index, nth, steps in self.micro_draws]
-
-    def summary(self) -> dict[str, Any]:
-        """Plain values, for figures and for gathering across ranks."""
-        return {"micro_batches": self.micro_batches, "synced": sum(self.synced),
-                "optimizer_steps": self.optimizer_steps, "loader_passes": len(self.training_passes()),
-                "model_type": self.model_type, "ddp": self.ddp}
-
-
 class FitRecorder:
     """Installs the hooks on entry and removes them on exit; `record` holds what they saw."""
 
     _lock = threading.Lock()
 
-    def __init__(self, listener: Any = None, rank: int = 0, first_step: bool = False,
-                 all_inputs: bool = False, keep_batches: bool = False,
-                 on_first_micro_batch: Callable[[Any], None] | None = None, snapshot_at: int | None = None,
-                 digest_steps: bool = False, watch_norms: bool = False, watch_start: bool = False,
-                 keep_params_at: int | None = None, model_hooks_only: bool = False,
-                 draws: Callable[[Any], list[int]] | None = None) -> None:
-        """`all_inputs`: digest every training micro-batch's inputs (up to DIGESTED_INPUTS a pass),
-        indices or not, to compare what two fits fed their models. `keep_batches` (with `first_step`):
-        keep the first step's batches (`FirstStep.batches`). `on_first_micro_batch(model)` runs at
-        the fit's first micro-batch, before anything of it is recorded (a rerun that must start from
-        another fit's parameters sets them there). `snapshot_at=k`: keep the fit's state right after
-        optimizer step k (`StepSnapshot`). `digest_steps`: digest the parameters after each of the first
-        DIGESTED_STEPS steps (`FitRecord.step_digests`).
-        `watch_norms`: record the BatchNorm layers' first micro-batch (`norm_stats.NormWatch`).
-        `watch_start`: digest the model's tensors at its first forward and at the fit's end (`start_state`).
-        `keep_params_at=j`: keep the parameters right after optimizer step j (`FitRecord.kept_params`).
-        `model_hooks_only`: once the first micro-batch names the model, its forward hooks move from every
-        module to that model alone, so that a forward compiled from then on traces none of them (dynamo would
-        break its graph at every module they run on, and hide what the one compiled graph does).
-        `draws(batch)`: the dataset indices of a batch the loader yielded (the adapter's `batch_indices`), for
-        batches the batch sampler's record cannot tell, recorded with the step each micro-batch adds to
-        (`FitRecord.step_draws`)."""
-        self.record = FitRecord()
-        self._keep_params_at = keep_params_at
-        self._watch_start = watch_start
-        self._digest_steps = digest_steps
-        self._watch_norms = watch_norms
-        self._norms: NormWatch | None = None
-        self._snapshot_at = snapshot_at
+    def __init__(self, listener: Any = None, rank: int = 0, plan: FitPlan = RECORD_ONLY) -> None:
+        """`listener`: the `FitObserver` that hears the fit; `plan`: what to keep beyond the record, and the
+        watchers to call (`fit_watch`)."""
+        self.record = FitRecord(watchers=[make() for make in plan.watchers])
+        # per hook, the watchers that override it: a fit without watchers pays nothing per module forward
+        self._hooks = {hook: [getattr(w, hook) for w in self.record.watchers if overridden(w, hook)]
+                       for hook in HOOKS}
         self._skipped = 0  # optimizer steps a GradScaler skipped, counted in `optimizer_steps` as the trainer counts
-        self._capture_first_step = first_step
-        self._all_inputs = all_inputs
-        self._keep_batches = keep_batches and first_step
-        self._on_first_micro_batch = on_first_micro_batch
-        self._model_hooks_only = model_hooks_only
-        self._draws = draws
+        self._capture_first_step = plan.first_step
+        self._all_inputs = plan.all_inputs
+        self._keep_batches = plan.keep_batches and plan.first_step
+        self._on_first_micro_batch = plan.on_first_micro_batch
+        self._model_hooks_only = plan.model_hooks_only
+        self._draws = plan.draws
         # with `draws`: by pass, each yielded batch's tensors, held weakly: a batch the loop has let go of can match no
         # micro-batch (a new tensor may take the memory a freed one had)
         self._yield_tensors: dict[int, list[list[weakref.ref[Any]]]] = {}
@@ -384,9 +162,8 @@ class FitRecorder:
         try:
             self._close_micro_batch()
             self._settle_rng()
-            state = self.record.start_state
-            if state is not None and self.record.model is not None:
-                state.after = after_states(unwrapped(self.record.model), input_digest)
+            for on_end in self._hooks["on_end"]:
+                on_end(self.record)
         finally:
             self._stack.close()
 
@@ -408,13 +185,10 @@ class FitRecorder:
             return
         if depth == 0 and module.training and self._torch.is_grad_enabled() and _trainable(module):
             self._micro_batch(module, _args)
-        elif depth == 0 and self._replicas.holds(module, _args, self.record.model):
-            pass  # an eval-mode forward: a micro-batch once its backward reaches the output (`replica_watch`)
-        elif self._norms is not None and self.record.micro_batches == 1:
-            self._norms.before(module)
-        if depth == 1 and self._watch_start and self.record.start_state is None and self.record.micro_batches == 1 \
-                and module is getattr(self.record.model, "module", None):  # after DDP's forward-time broadcast
-            self._take_start(self.record.model)
+        elif depth == 0:
+            self._replicas.holds(module, _args, self.record.model)  # an eval-mode forward that may train
+        for on_forward in self._hooks["on_forward"]:
+            on_forward(module, depth, self.record)
 
     def _on_keyword_inputs(self, module: Any, _args: Any, kwargs: dict[str, Any], _output: Any) -> None:
         """A micro-batch fed by keyword is digested by its keyword inputs (`_keyword_fed`)."""
@@ -426,8 +200,9 @@ class FitRecorder:
         self._depth.value = max(0, getattr(self._depth, "value", 1) - 1)
         if self._depth.value == 0:
             self._replicas.ended(module, output, self._micro_batch)
-        if self._norms is not None and self.record.micro_batches == 1 and not recomputing():
-            self._norms.after(module, args, output)
+        if self._hooks["on_forward_end"] and not recomputing():
+            for on_forward_end in self._hooks["on_forward_end"]:
+                on_forward_end(module, args, output, self.record)
 
     def _micro_batch(self, model: Any, inputs: Any) -> None:
         record = self.record
@@ -443,12 +218,9 @@ class FitRecorder:
             self._stack.callback(model.register_forward_hook(self._on_keyword_inputs, with_kwargs=True).remove)
             record.bypassed_ddp = any(wrapped is model for wrapped in record.ddp_modules)
             self._watch_local_grads(model)
-            if self._watch_norms:
-                self._norms = NormWatch(unwrapped(model))
-                record.norm_names, record.norm_layers = list(self._norms.names.values()), self._norms.layers
-            # a DDP's is taken inside its forward, unless this micro-batch is counted at its backward (eval mode)
-            if self._watch_start and (not isinstance(model, DistributedDataParallel) or self._replicas.counting):
-                self._take_start(model)
+            record.first_from_backward = self._replicas.counting
+            for on_model in self._hooks["on_model"]:
+                on_model(model, record)
             if self._capture_first_step:
                 record.first_step = FirstStep([p.detach().cpu().clone() for p in unwrapped(model).parameters()])
         if isinstance(model, DistributedDataParallel):
@@ -530,7 +302,7 @@ class FitRecorder:
             target = self.record.passes[index]
             indices: list[int] | None = None
             if target.indexed and target.batches and getattr(loader, "num_workers", 1) == 0:
-                indices = [_through(target.index_map, i) for i in target.batches[-1]]
+                indices = [base_index(target.index_map, i) for i in target.batches[-1]]
             else:
                 try:
                     indices = [int(i) for i in self._draws(batch)]  # type: ignore[misc]
@@ -665,36 +437,21 @@ class FitRecorder:
     def _on_optimizer_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         record = self.record
         record.optimizer_steps += 1
-        if record.grads_were_views is None and record.ddp is not None and record.model is not None:
-            grads = [p.grad for p in record.model.parameters() if p.grad is not None]
-            record.grads_were_views = all(shares_its_base(g) for g in grads) if grads else None
-        if self._digest_steps and record.model is not None and len(record.step_digests) < DIGESTED_STEPS:
-            record.step_digests.append(step_digest([p.detach() for p in record.model.parameters()]))
         if optimizer is record.optimizer:
             record.iterations += 1
-        if record.iterations == self._snapshot_at and record.model is not None:
-            # taken again at each optimizer's step of that iteration: the last is where it ends
-            record.snapshot = _snapshot(record, record.iterations)
-        if record.iterations == self._keep_params_at and record.model is not None:
-            record.kept_params = {trainer_name(name): p.detach().cpu().clone()
-                                  for name, p in unwrapped(record.model).named_parameters()}
-
-    def _take_start(self, model: Any) -> None:
-        wrap = None
-        if isinstance(model, DistributedDataParallel):  # a DDP built before the recorder: read off it now
-            wrap = self.record.wraps.get(id(model.module)) or WrapTime.of(model, model.module, None)
-        self.record.start_state = StartState(isinstance(model, DistributedDataParallel), wrap,
-                                             tensor_states(unwrapped(model), wrap, input_digest))
+        for on_step in self._hooks["on_step"]:
+            on_step(record)
 
     def _ddp_init(self, original: Any) -> Any:
-        record, watch = self.record, self._watch_start
+        record, on_wraps = self.record, self._hooks["on_wrap"]
 
         def __init__(ddp: Any, module: Any, *args: Any, **kwargs: Any) -> None:
             original(ddp, module, *args, **kwargs)
             record.ddp_modules.append(module)
-            if watch:
+            if on_wraps:
                 bound = bind_ddp_arguments(original, ddp, module, args, kwargs)
-                record.wraps[id(module)] = WrapTime.of(ddp, module, bound)
+                for on_wrap in on_wraps:
+                    on_wrap(ddp, module, bound)
 
         return __init__
 
@@ -844,12 +601,6 @@ def _cuda_rng() -> str | None:
     return input_digest(torch.cuda.get_rng_state())
 
 
-def _snapshot(record: FitRecord, step: int) -> StepSnapshot:
-    model = unwrapped(record.model)
-    state = {trainer_name(name): value.detach().cpu().clone() for name, value in model.state_dict().items()}
-    return StepSnapshot(step, record.micro_batches, state, buffer_names(record.model), capture_rng_state())
-
-
 def trainer_name(name: str) -> str:
     """A tensor's name in the model the micro-batches ran through, as the trainer names it: a Lightning
     module sits inside DDP inside Lightning's wrapper, as `_forward_module`."""
@@ -949,74 +700,6 @@ def _recorded(batches: Iterator[list[int]], target: LoaderPass | None,
             else:  # not dataset indices (a custom sampler yielding keys): nothing to judge by index
                 target.indexed, target = False, None
         yield batch
-
-
-def _through(index_map: list[int] | None, index: int) -> int:
-    """An index of the loader's dataset as the underlying dataset's; one the Subset does not have
-    stays outside it (negative), for the check to name, never an error in the fit."""
-    if index_map is None:
-        return index
-    return index_map[index] if 0 <= index < len(index_map) else -1 - abs(index)
-
-
-def nonzero(tensor: Any) -> bool:
-    """Whether any element is nonzero: `count_nonzero` reads a dense CPU tensor several times faster than
-    `any()` (benchmarks/RESULTS.md), which the recorder pays at every step of a fit whose
-    first gradient is an embedding's, mostly zero rows; sparse tensors keep `any()`."""
-    return bool(tensor.count_nonzero()) if tensor.layout == torch.strided else bool(tensor.any())
-
-
-def input_digest(value: Any) -> str:
-    """A digest of tensors (and the plain values beside them), to tell whether ranks hold the same."""
-
-    digest = hashlib.sha1()
-    _digest_into(digest, value)
-    return digest.hexdigest()[:16]
-
-
-def step_digest(parameters: list[Any]) -> str:
-    """A digest of the parameters after an optimizer step, only ever compared with another fit's or
-    rank's digest of the same step: each tensor's bit sum (`bit_sums`, on its own device), in order. A chance
-    cancellation would hide one difference, where parameters that part stay apart over the following steps."""
-    value = 0
-    for item in bit_sums(parameters):
-        value = zlib.crc32(item.to_bytes(8, "little", signed=True) if isinstance(item, int) else item, value)
-    return f"{value:08x}"
-
-
-def fed_digest(inputs: Any) -> str | None:
-    """A digest of a micro-batch's inputs as the model's forward got them, or None when no tensor or
-    array is among them: keyword arguments (`model(input_ids=x)`) never reach a global forward hook (the
-    model's own forward hook digests them: `_on_keyword_inputs`), and a digest of nothing would make every
-    rank look fed alike."""
-
-    digest = hashlib.sha1()
-    if isinstance(inputs, tuple):  # the forward's arguments: a plain number beside the tensors is the step's
-        # position (Lightning's wrapper is called with (batch, batch_idx)), not what the model is fed
-        inputs = tuple(value for value in inputs if not isinstance(value, int))
-    return digest.hexdigest()[:16] if _digest_into(digest, inputs) else None
-
-
-def _digest_into(digest: Any, item: Any) -> int:
-    """Feed `item` into `digest`: tensors and arrays by their bytes, mappings (a tokenizer's
-    BatchEncoding too), sequences and dataclasses element by element, plain values by repr. Returns
-    how many tensors and arrays it saw."""
-
-    if isinstance(item, torch.Tensor):
-        digest.update(readable_bytes(item))  # no copy for a plain tensor; never raises into the fit
-        return 1
-    if hasattr(item, "__array_interface__") and hasattr(item, "tobytes"):  # a numpy array
-        digest.update(item.tobytes())
-        return 1
-    if isinstance(item, collections.abc.Mapping):
-        return sum(_digest_into(digest, item[key]) for key in sorted(item, key=str))
-    if isinstance(item, list | tuple):
-        return sum(_digest_into(digest, element) for element in item)
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return sum(_digest_into(digest, getattr(item, f.name)) for f in dataclasses.fields(item))
-    if isinstance(item, int | float | str | bool):
-        digest.update(repr(item).encode())
-    return 0
 
 
 def _new_pass(loader: Any) -> LoaderPass:
@@ -1139,6 +822,15 @@ def ddp_argument_forced(name: str, value: Any) -> Iterator[None]:
 def trains_batchnorm(model: Any) -> bool:
     """Whether the model normalises in training mode by each micro-batch's own statistics (BatchNorm),
     so that no run on another batch can recompute its gradients."""
+    return any(isinstance(m, BATCH_NORMS) and m.training for m in unwrapped(model).modules())
 
-    norms = BATCH_NORMS
-    return any(isinstance(m, norms) and m.training for m in unwrapped(model).modules())
+
+def bind_ddp_arguments(init: Any, ddp: Any, module: Any, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
+    """DistributedDataParallel's constructor arguments by name, defaults included (None: they do not bind)."""
+    try:
+        bound = inspect.signature(init).bind(ddp, module, *args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound

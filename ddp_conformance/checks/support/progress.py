@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import pytest
 from torch.nn.parallel import DistributedDataParallel
@@ -43,7 +43,9 @@ from ...adapter import FitObserver, StepInfo
 from ...runner.ranks import cpu_seconds, ranks_label
 from . import collectives, session_evidence
 from .check_context import CheckContext, all_gather, hide_on_verdict, rounded
-from .observe import FitRecord, FitRecorder, ObservedState
+from .fit_record import FitRecord
+from .fit_watch import RECORD_ONLY, FitPlan
+from .observe import FitRecorder, ObservedState
 
 POLL_SECONDS = 0.02
 FitState = Literal["starting", "wrapped", "in_step", "between", "done", "error"]
@@ -255,29 +257,23 @@ def stall_words(progress: list[Progress | None], idle: float, steps: int, partin
             f"{rounded(idle)} s: a collective deadlock (ranks calling different collectives?)")
 
 
-def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],
-                inner: FitObserver | None = None,
-                extra: Callable[[Any], dict[str, Any]] | None = None,
-                first_step: bool = False, all_inputs: bool = False,
-                keep_batches: bool = False, snapshot_at: int | None = None,
-                digest_steps: bool = False, watch_norms: bool = False,
-                watch_start: bool = False, keep_params_at: int | None = None,
-                model_hooks_only: bool = False,
-                draws: Callable[[Any], list[int]] | None = None) -> tuple[Any, list[Progress]]:
-    """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress;
-    `first_step` has the recorder keep the fit's first optimizer step (`observe.FirstStep`),
-    `keep_batches` the batches its loader yielded for it too, `all_inputs` digest what every
-    micro-batch fed the model, `snapshot_at` keep its state after that optimizer step, and
-    `digest_steps` digest its parameters after every step, `watch_norms` record its BatchNorm
-    layers' first micro-batch, `watch_start` its tensors at the first forward and at its end, and
-    `keep_params_at` its parameters after that optimizer step; `model_hooks_only` hooks the forward of the
-    model alone from its first micro-batch on, and `draws(batch)` records the samples each step trains
-    (`FitRecorder`).
+@runtime_checkable
+class Testifies(Protocol):
+    """An inner observer whose figures of the fit each rank's final progress carries (`Progress.extra`), for
+    every rank to read (`vacuity.TrainingEvidence`)."""
 
-    Returns the call's result and every rank's final progress (with each rank's `extra(result)`).
-    Raises the call's own exception on a rank whose fit raised, `PeerFitFailed` on one whose fit ended
-    while another's raised, `CheckFailed` when it hangs. Each way this rank's kept evidence (`session_evidence.py`)
-    is dropped: the next fit starts in a process unlike a fresh one.
+    def figures(self, state: Any, record: FitRecord | None) -> dict[str, Any]: ...
+
+
+def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitObserver], Any],
+                plan: FitPlan = RECORD_ONLY, inner: FitObserver | None = None) -> tuple[Any, list[Progress]]:
+    """Run `call(observer)` (a fit or resume) in a thread while watching every rank's progress, under a
+    `FitRecorder` with `plan` (what to keep, the watchers to call); `inner` hears the fit too.
+
+    Returns the call's result and every rank's final progress (with each rank's `inner.figures` where the
+    inner observer `Testifies`). Raises the call's own exception on a rank whose fit raised, `PeerFitFailed` on
+    one whose fit ended while another's raised, `CheckFailed` when it hangs. Each way this rank's kept evidence
+    (`session_evidence.py`) is dropped: the next fit starts in a process unlike a fresh one.
     """
     __tracebackhide__ = hide_on_verdict
     ctx.within_budget(label, steps)
@@ -292,11 +288,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
         try:
             # progress comes from the fit's own forwards and steps (the recorder's hooks); the
             # adapter's observer calls, if it makes any, only add the losses it reports
-            with FitRecorder(listener=observer, rank=ctx.rank, first_step=first_step,
-                             all_inputs=all_inputs, keep_batches=keep_batches, snapshot_at=snapshot_at,
-                             digest_steps=digest_steps, watch_norms=watch_norms,
-                             watch_start=watch_start, keep_params_at=keep_params_at,
-                             model_hooks_only=model_hooks_only, draws=draws) as recorder:
+            with FitRecorder(observer, ctx.rank, plan) as recorder:
                 ctx.recordings[label] = recorder.record
                 result = call(LossTap(inner, observer))
             box["result"] = ObservedState.of(result, recorder.record)
@@ -305,7 +297,8 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
             observer.end(exc)
         else:
             try:
-                observer.end(None, extra(box["result"]) if extra is not None else None)
+                testimony = inner.figures(box["result"], recorder.record) if isinstance(inner, Testifies) else None
+                observer.end(None, testimony)
             except BaseException as exc:
                 box["error"] = exc
                 observer.end(exc)

@@ -31,6 +31,7 @@ Evidence is reused only where it is the same fit (`session_evidence.py` keeps it
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -43,10 +44,12 @@ from ...plan import STEADY_STEPS, plan_steps
 from . import lr_trail
 from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
-from .observe import FitRecord
+from .fit_record import FitRecord
+from .fit_watch import FitPlan
 from .parting import STEPS as PARTING_STEPS
 from .progress import Progress, epoch_steps, guarded_fit
 from .session_evidence import kept_or_run
+from .step_marks import ParamsAt, SnapshotAt, StepDigests
 from .vacuity import TrainingEvidence
 
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
@@ -73,7 +76,7 @@ class Steady:
     configured when a check changes one setting, and the fit whose first step gradient_equivalence
     recomputes."""
 
-    record: FitRecord  # with its first optimizer step's gradients (`observe.FirstStep`)
+    record: FitRecord  # with its first optimizer step's gradients (`fit_record.FirstStep`)
     state: TrainState
     progress: list[Progress]  # every rank's, with `TrainingEvidence.figures` as its extra
     names: list[str] | None  # the trained model's parameter names (`TrainingEvidence.names`)
@@ -135,8 +138,8 @@ def probe(ctx: CheckContext) -> FitRecord:
     config = fit_config(ctx)
 
     def run() -> Probe:
-        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs), digest_steps=True,
-                    watch_norms=True, watch_start=True)
+        guarded_fit(ctx, "probe", 1, lambda obs: _adapter(ctx, config).fit(1, observer=obs),
+                    FitPlan(watchers=ctx.probe_watchers))
         return Probe(ctx.recordings["probe"], ctx.check_id)
 
     held = held_or_run(ctx, "probe", evidence_key(ctx, config, "probe"), run)
@@ -157,8 +160,7 @@ def steady(ctx: CheckContext) -> Steady:
         evidence = TrainingEvidence()
         state, progress = guarded_fit(
             ctx, "steady", STEADY_STEPS, lambda obs: _adapter(ctx, config).fit(STEADY_STEPS, observer=obs),
-            inner=evidence, extra=lambda state: evidence.figures(state, ctx.recordings.get("steady")),
-            first_step=True, keep_batches=True)  # what its loader yielded: is make_dataset() what it read?
+            FitPlan(first_step=True, keep_batches=True), evidence)  # keep_batches: is make_dataset() what it read?
         assert isinstance(state, TrainState)
         return Steady(ctx.recordings["steady"], state, progress, evidence.names, ctx.check_id)
 
@@ -187,9 +189,6 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     def fit(checkpoint_dir: Path | None) -> ObservedFit:
         evidence = TrainingEvidence()
 
-        def evidence_of(state: TrainState) -> dict[str, Any]:
-            return {"evidence": evidence.summary(state, ctx.recordings.get("uninterrupted"))}
-
         at = k if checkpoint_dir is not None else None
         if checkpoint_dir is not None:
             checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -197,8 +196,7 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
             state, progress = guarded_fit(
                 ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
                     n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
-                inner=evidence, extra=evidence_of, all_inputs=True, snapshot_at=at, digest_steps=True,
-                keep_params_at=k + PARTING_STEPS if k + PARTING_STEPS <= n else None)
+                _long_fit_plan(k, n, at), evidence)
         lr_trail.remember(ctx.recordings["uninterrupted"], rates)
         return ObservedFit(config, cadence, epoch, k, n, ctx.recordings["uninterrupted"], state, progress,
                            checkpoint_dir, ctx.check_id)
@@ -206,6 +204,18 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     held = held_or_run(ctx, "uninterrupted", evidence_key(ctx, config, "uninterrupted", epoch, cadence), run)
     ctx.recordings["uninterrupted"] = held.record
     return held
+
+
+def _long_fit_plan(k: int, n: int, checkpoint_at: int | None) -> FitPlan:
+    """What the uninterrupted fit keeps for resume_fidelity: every micro-batch's inputs, the parameters after
+    each step, the state at the checkpoint step (a checkpoint read without stopping there) and the parameters
+    `parting.STEPS` after it (where a resume that parted for good stops early)."""
+    watchers: list[Any] = [StepDigests]
+    if checkpoint_at is not None:
+        watchers.append(functools.partial(SnapshotAt, checkpoint_at))
+    if k + PARTING_STEPS <= n:
+        watchers.append(functools.partial(ParamsAt, k + PARTING_STEPS))
+    return FitPlan(all_inputs=True, watchers=tuple(watchers))
 
 
 def planned_horizon(ctx: CheckContext, epoch: int, cadence: int | str | None) -> tuple[int, int]:

@@ -23,8 +23,8 @@ import pytest
 
 from ...adapter import FitObserver, StepInfo, TrainState
 from .check_context import rounded
+from .fit_record import FitRecord
 from .model_state import digest, parameters
-from .observe import FitRecord
 
 
 class TrainingEvidence(FitObserver):

@@ -25,7 +25,7 @@ from ..wire import FAILED, RANK_IMPORTS, SKIPPED, XFAILED, DdpPlan
 from . import status_line
 from .backend import Hardware, Placement, choose_backend, probe_hardware, worker_gpu_share, xdist_worker
 from .fork_server import ForkServer
-from .rank_pool import PoolStartError, RankPool
+from .rank_pool import PoolStartError, RankDevices, RankPool
 from .task_builder import UnpicklableFixture, make_task
 from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, line_repr, prefixed_output
 
@@ -244,9 +244,9 @@ class PoolController:
         pool = RankPool(
             world_size, backend,
             start_timeout=self.settings.start_timeout,
-            rank_threads=self.settings.rank_threads,
-            device=self.device_of(backend),
-            cuda_devices=self.hardware.cuda_devices if self.device_of(backend) == "cuda" else (),
+            devices=RankDevices(self.device_of(backend),
+                                self.hardware.cuda_devices if self.device_of(backend) == "cuda" else (),
+                                self.settings.rank_threads),
             fork_server=self.fork_server(),
             group_timeout=self.longest_timeout,
         )

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 from ..wire import (
     FAILED,
@@ -99,6 +100,19 @@ def loopback_interface() -> str | None:
     return None
 
 
+class RankDevices(NamedTuple):
+    """Where a pool's ranks run: the device type (None: cuda under nccl, else cpu), the GPUs they may see, and
+    the CPU threads each may use (None: torch's own default)."""
+
+    device: str | None = None
+    cuda_devices: tuple[str, ...] = ()
+    rank_threads: int | None = None
+
+
+#: a pool's devices unless told: by its backend, with torch's own thread count
+ANY_DEVICES = RankDevices()
+
+
 class RankPool:
     """The warm ranks of one (world size, backend): started once, fed test after test."""
 
@@ -108,18 +122,16 @@ class RankPool:
         backend: str,
         *,
         start_timeout: float,
-        rank_threads: int | None,
-        cuda_devices: tuple[str, ...] = (),
+        devices: RankDevices = ANY_DEVICES,
         fork_server: ForkServer | None = None,
         group_timeout: float | None = None,
-        device: str | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
-        self.device = device or ("cuda" if backend == "nccl" else "cpu")
+        self.device = devices.device or ("cuda" if backend == "nccl" else "cpu")
         self.start_timeout = start_timeout
-        self.rank_threads = rank_threads
-        self.cuda_devices = cuda_devices
+        self.rank_threads = devices.rank_threads
+        self.cuda_devices = devices.cuda_devices
         self.ranks: list[RankProcess] = []
         self.workdir: Path | None = None
         self.fork_server = fork_server

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 
 from ddp_conformance.checks.support import loader_wrappers
+from ddp_conformance.checks.support.fit_watch import FitPlan
 from ddp_conformance.checks.support.observe import FitRecorder, dropped_tail
 
 NEEDS_ACCELERATE = "accelerate (the dev extra) is not installed: its wrappers cannot be built"
@@ -143,7 +144,7 @@ def test_the_first_step_s_batch_is_the_one_a_loader_shard_handed_over_not_the_on
     from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
     from ddp_conformance.trainers import accelerate_state
 
-    with accelerate_state.fresh(), FitRecorder(first_step=True, keep_batches=True) as recorder:
+    with accelerate_state.fresh(), FitRecorder(plan=FitPlan(first_step=True, keep_batches=True)) as recorder:
         _train(_accelerate_loader(1))
     first = recorder.record.first_step
     assert first.sources == [(0, 1)] and first.batches[0]["id"].tolist() == [2, 3]
@@ -190,7 +191,7 @@ def test_a_dispatched_loader_is_marked_and_its_first_step_is_not_judged_on_batch
     from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
     from ddp_conformance.trainers import accelerate_state
 
-    with accelerate_state.fresh(), FitRecorder(first_step=True, keep_batches=True) as recorder:
+    with accelerate_state.fresh(), FitRecorder(plan=FitPlan(first_step=True, keep_batches=True)) as recorder:
         _train(data_loader.DataLoaderDispatcher(DATA, batch_size=2))
     (recorded,) = recorder.record.training_passes()
     assert recorded.dispatched and recorder.record.first_step.batches == [None]
@@ -208,7 +209,7 @@ def test_an_iterable_dataset_shard_is_recorded_as_an_iterable_and_its_first_step
             return iter(DATA)
 
     shard = data_loader.IterableDatasetShard(Stream(), batch_size=2, num_processes=2, process_index=1)
-    with accelerate_state.fresh(), FitRecorder(first_step=True, keep_batches=True) as recorder:
+    with accelerate_state.fresh(), FitRecorder(plan=FitPlan(first_step=True, keep_batches=True)) as recorder:
         _train(data_loader.DataLoaderShard(shard, batch_size=2))
     (recorded,) = recorder.record.training_passes()
     assert recorded.iterable and not recorded.indexed
@@ -223,7 +224,7 @@ def test_the_indices_each_micro_batch_trains_are_the_handed_over_batch_s_with_ke
     from ddp_conformance.trainers import accelerate_state
 
     model = torch.nn.Linear(2, 1)
-    with accelerate_state.fresh(), FitRecorder(draws=lambda batch: batch["id"].tolist()) as recorder:
+    with accelerate_state.fresh(), FitRecorder(plan=FitPlan(draws=lambda batch: batch["id"].tolist())) as recorder:
         for batch in _accelerate_loader(1):
             model(input=batch["x"]).sum().backward()
     assert [indices for _, indices in recorder.record.step_draws()] == [[2, 3], [6, 7], [10, 11]]

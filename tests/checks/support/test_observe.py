@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ddp_conformance.checks.support.fit_watch import FitPlan
+
 
 @pytest.mark.ddp(world_size=2)
 def test_recorder_sees_ddp_micro_batches_steps_and_the_indices_drawn(ddp):
@@ -259,7 +261,7 @@ def test_a_first_step_one_process_cannot_redo_is_not_judged_and_says_why():
     import torch
 
     from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
-    from ddp_conformance.checks.support.observe import FirstStep, FitRecord, LoaderPass
+    from ddp_conformance.checks.support.fit_record import FirstStep, FitRecord, LoaderPass
 
     def record(model=None, rng_drawn=False, grads=True, indexed=True, overflowed=0):
         model = model or torch.nn.Linear(2, 2)
@@ -284,8 +286,9 @@ def test_the_recorder_keeps_what_optimizers_step_outside_the_model_and_what_each
     import torch
     from torch.utils.data import DataLoader, Sampler
 
+    from ddp_conformance.checks.support.digests import input_digest
     from ddp_conformance.checks.support.model_state import OUTSIDE, trained
-    from ddp_conformance.checks.support.observe import FitRecorder, input_digest
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     class Pairs(Sampler):  # a hand-written batch sampler of keys, not indices: nothing to read by index
         def __iter__(self):
@@ -351,7 +354,8 @@ def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
     import torch
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
-    from ddp_conformance.checks.support.observe import FitRecorder, _through
+    from ddp_conformance.checks.support.fit_record import base_index
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     base = TensorDataset(torch.arange(20.0))
     shard = Subset(Subset(base, range(1, 20, 2)), [4, 0, 2])  # odd samples, then three of them
@@ -362,7 +366,7 @@ def test_indices_into_nested_subsets_are_recorded_as_the_underlying_dataset_s():
     assert recorded.batches == [[0, 1], [2]] and recorded.indexed  # the Subset's own, as a DataLoader draws
     assert recorded.base_batches() == [[9, 1], [5]]
     assert recorded.dataset_size == 3 and recorded.base_size == 20 and recorded.universe == [1, 5, 9]
-    assert _through([9, 1], 2) < 0 and _through([9, 1], -1) < 0 and _through(None, 7) == 7
+    assert base_index([9, 1], 2) < 0 and base_index([9, 1], -1) < 0 and base_index(None, 7) == 7
 
 
 def _loop(loader, model, read_ahead=False):
@@ -391,18 +395,18 @@ def test_the_first_step_s_batches_are_kept_as_the_loader_yielded_them_and_read_a
     from ddp_conformance.checks.support.observe import FitRecorder
 
     data = [{"x": torch.full((3,), float(i)), "id": i} for i in range(8)]
-    with FitRecorder(first_step=True, keep_batches=True) as recorder:
+    with FitRecorder(plan=FitPlan(first_step=True, keep_batches=True)) as recorder:
         _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1))
     first = recorder.record.first_step
     assert first.micro_batches == 2 and first.sources == [(0, 1), (0, 2)]
     assert [b["id"].tolist() for b in first.batches] == [[0, 1], [2, 3]]
     assert first.batches[1]["x"][:, 0].tolist() == [2.0, 3.0]
     assert _first_step_problem(recorder.record) == ""
-    with FitRecorder(first_step=True, keep_batches=True) as recorder:
+    with FitRecorder(plan=FitPlan(first_step=True, keep_batches=True)) as recorder:
         _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1), read_ahead=True)
     assert recorder.record.first_step.sources == [(0, 2), (0, 3)]
     assert "its loader is not read one batch per micro-batch" in _first_step_problem(recorder.record)
-    with FitRecorder(first_step=True) as recorder:  # not asked: nothing kept, the loader's own iterator
+    with FitRecorder(plan=FitPlan(first_step=True)) as recorder:  # not asked: nothing kept, the loader's own iterator
         _loop(DataLoader(data, batch_size=2), torch.nn.Linear(3, 1))
     assert recorder.record.first_step.batches == []
     assert "no DataLoader" in _first_step_problem(recorder.record)
@@ -467,20 +471,24 @@ def test_the_trainer_s_rng_draws_are_told_from_a_dataloader_s_own(dropout, randi
 
 
 def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimizer_ends_the_step():
-    """Digesting 58 MB of parameters takes 40 ms a step, so only the fits that compare steps ask
-    (`digest_steps`); the snapshot at step k holds the state after every optimizer of that iteration."""
+    """Only the fits that compare steps digest them (`step_marks.StepDigests`); the snapshot at step k holds
+    the state after every optimizer of that iteration."""
+    import functools
+
     import torch
     from torch import nn
 
+    from ddp_conformance.checks.support.fit_watch import FitPlan
     from ddp_conformance.checks.support.observe import FitRecorder
+    from ddp_conformance.checks.support.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
 
-    def fit(recorder_kwargs: dict) -> tuple:
+    def fit(plan: FitPlan) -> tuple:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
         first = torch.optim.SGD(model[0].parameters(), lr=0.1)
         second = torch.optim.SGD(model[1].parameters(), lr=0.1)
         after: list[dict] = []
-        with FitRecorder(**recorder_kwargs) as recorder:
+        with FitRecorder(plan=plan) as recorder:
             for _ in range(3):
                 model(torch.randn(2, 3)).sum().backward()
                 first.step()
@@ -488,11 +496,11 @@ def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimiz
                 after.append({k: v.clone() for k, v in model.state_dict().items()})
         return recorder.record, after
 
-    plain, _ = fit({})
-    assert plain.step_digests == [] and plain.snapshot is None
-    record, after = fit({"digest_steps": True, "snapshot_at": 2})
-    assert len(record.step_digests) == 6 and len(set(record.step_digests)) == 6  # every optimizer's step
-    snapshot = record.snapshot
+    plain, _ = fit(FitPlan())
+    assert step_digests(plain) == [] and snapshot_of(plain) is None and plain.watchers == []
+    record, after = fit(FitPlan(watchers=(StepDigests, functools.partial(SnapshotAt, 2))))
+    assert len(step_digests(record)) == 6 and len(set(step_digests(record))) == 6  # every optimizer's step
+    snapshot = snapshot_of(record)
     assert snapshot is not None and snapshot.step == 2 and snapshot.micro_batches == 2
     assert all(torch.equal(snapshot.state[k], v) for k, v in after[1].items())  # after both optimizers of step 2
 
@@ -500,7 +508,7 @@ def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimiz
 def test_a_step_digest_tells_one_ulp_in_one_parameter_and_nothing_else() -> None:
     import torch
 
-    from ddp_conformance.checks.support.observe import step_digest
+    from ddp_conformance.checks.support.digests import step_digest
 
     torch.manual_seed(0)
     parameters = [torch.randn(300, 7), torch.randn(11)]
@@ -521,7 +529,8 @@ def test_recorder_sees_ddp_join_and_how_it_is_entered(ddp):
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddp_conformance.checks.support.observe import FitRecorder, JoinUse
+    from ddp_conformance.checks.support.fit_record import JoinUse
+    from ddp_conformance.checks.support.observe import FitRecorder
 
     model = DistributedDataParallel(nn.Linear(3, 1))
     with FitRecorder() as recorder:
@@ -546,6 +555,7 @@ def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_ta
     from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
     from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
     from ddp_conformance.checks.support.observe import FitRecorder
+    from ddp_conformance.checks.support.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
 
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
@@ -553,7 +563,8 @@ def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_ta
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     inputs = [torch.full((2, 3), float("inf")), torch.randn(2, 3), torch.randn(2, 3)]  # a first batch that overflows
     after = []
-    with FitRecorder(first_step=True, snapshot_at=2, digest_steps=True) as recorder:
+    plan = FitPlan(first_step=True, watchers=(StepDigests, lambda: SnapshotAt(2)))
+    with FitRecorder(plan=plan) as recorder:
         for x in inputs:
             scaler.scale(model(x).square().mean()).backward()
             scaler.step(optimizer)
@@ -562,8 +573,8 @@ def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_ta
             after.append(model.weight.detach().clone())
     record = recorder.record
     assert (record.first_step.overflowed, record.first_step.micro_batches, record.optimizer_steps) == (1, 2, 3)
-    assert torch.equal(record.snapshot.state["weight"], after[1]) and not torch.equal(after[0], after[1])
-    assert len(record.step_digests) == 3 and record.step_digests[0] != record.step_digests[1]
+    assert torch.equal(snapshot_of(record).state["weight"], after[1]) and not torch.equal(after[0], after[1])
+    assert len(step_digests(record)) == 3 and step_digests(record)[0] != step_digests(record)[1]
     assert all(torch.isfinite(g).all() for g in record.first_step.grads)
     assert torch.amp.GradScaler.step.__qualname__ == "GradScaler.step"  # put back after the fit
     skipped = "a GradScaler skipped the fit's first 1 optimizer step(s)"  # neither rerun takes 2 micro-batches for it
@@ -578,7 +589,7 @@ def test_a_recompute_is_refused_when_make_dataset_is_not_what_the_fit_s_loader_y
     from torch.utils.data import default_collate
 
     from ddp_conformance.checks.gradient_equivalence.fit_step import _fed_other_items
-    from ddp_conformance.checks.support.observe import FirstStep
+    from ddp_conformance.checks.support.fit_record import FirstStep
 
     data = [torch.full((2,), float(i)) for i in range(8)]
     sampled = [[3, 1], [0, 2], [5, 4]]
@@ -696,7 +707,7 @@ def test_with_model_hooks_only_the_recorder_leaves_every_other_module_s_forward_
     model.add_module("spare", spare)
     model.forward = lambda x: model[2](model[1](model[0](x)))  # type: ignore[method-assign]
     before = (len(_global_forward_pre_hooks), len(_global_forward_hooks))
-    with FitRecorder(model_hooks_only=True) as recorder:
+    with FitRecorder(plan=FitPlan(model_hooks_only=True)) as recorder:
         assert (len(_global_forward_pre_hooks), len(_global_forward_hooks)) == (before[0] + 1, before[1] + 1)
         for step in range(3):
             output = model(torch.randn(2, 3))

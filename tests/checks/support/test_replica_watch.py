@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ddp_conformance.checks.initial_sync import judge
+from ddp_conformance.checks.initial_sync.start_watch import PARAMETER, StartState, TensorState
 from ddp_conformance.checks.support.observe import FitRecorder
 from ddp_conformance.checks.support.replica_watch import (
     FrozenChange,
@@ -18,7 +19,6 @@ from ddp_conformance.checks.support.replica_watch import (
     modes_apart,
     modes_resumed,
 )
-from ddp_conformance.checks.support.start_state import PARAMETER, StartState, TensorState
 
 
 def _model() -> nn.Module:

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddp_conformance.checks.support.digests import fed_digest, input_digest, step_digest
 from ddp_conformance.checks.support.model_state import digest, item_digest
-from ddp_conformance.checks.support.observe import fed_digest, input_digest, step_digest
 from ddp_conformance.checks.support.tensor_bytes import UnreadableTensor, readable_bytes, tensor_bytes
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,

@@ -10,7 +10,8 @@ layer recorded; and the sums of the output and of input times output give the pe
 line within a channel), so the normalisation itself is judged, not only the bookkeeping.
 
 Watched through the forward hooks `FitRecorder` already holds (global, public), during the fit's
-first micro-batch only, and only the first call of each layer in it.
+first micro-batch only, and only the first call of each layer in it: `NormWatch` is the probe's
+watcher (`fit_watch.FitWatcher`) for this check.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: the BatchNorm layers, by their public classes (torch's own conversion tests its private `_BatchNorm`)
-BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitWatcher
+from ..support.observe import BATCH_NORMS, unwrapped
 
 
 @dataclass
@@ -52,27 +54,38 @@ class NormLayer:
     resolution: float = 0.0  # the machine epsilon of the coarser of its input's and output's dtypes
 
 
-class NormWatch:
-    """Records the BatchNorm layers of one model (`NormLayer`), the first call of each."""
+class NormWatch(FitWatcher):
+    """The BatchNorm layers of the fit's model (`names`, as the unwrapped model names them) and what each
+    in training mode did in the first micro-batch (`layers`, the first call of each)."""
 
-    def __init__(self, model: Any) -> None:
-        self.names = {id(module): name for name, module in model.named_modules() if isinstance(module, BATCH_NORMS)}
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
         self.layers: list[NormLayer] = []
         self._before: dict[int, tuple[Any, Any]] = {}
         self._done: set[int] = set()
 
-    def before(self, module: Any) -> None:
+    @property
+    def names(self) -> list[str]:
+        return list(self._names.values())
+
+    def on_model(self, model: Any, record: FitRecord) -> None:
+        self._names = {id(module): name for name, module in unwrapped(model).named_modules()
+                       if isinstance(module, BATCH_NORMS)}
+
+    def on_forward(self, module: Any, depth: int, record: FitRecord) -> None:
         key = id(module)
-        if key in self.names and key not in self._done and module.training and key not in self._before:
+        if record.micro_batches == 1 and key in self._names and key not in self._done and module.training \
+                and key not in self._before:
             self._before[key] = (_copy(module.running_mean), _copy(module.running_var))
 
-    def after(self, module: Any, args: Any, output: Any) -> None:
+    def on_forward_end(self, module: Any, args: Any, output: Any, record: FitRecord) -> None:
         key = id(module)
-        if key not in self._before or key in self._done or not args or not isinstance(output, torch.Tensor):
+        if record.micro_batches != 1 or key not in self._before or key in self._done or not args \
+                or not isinstance(output, torch.Tensor):
             return
         self._done.add(key)
         mean_before, var_before = self._before.pop(key)
-        self.layers.append(_layer(self.names[key], module, args[0], output, mean_before, var_before))
+        self.layers.append(_layer(self._names[key], module, args[0], output, mean_before, var_before))
 
 
 def _layer(name: str, module: Any, inputs: Any, output: Any, mean_before: Any, var_before: Any) -> NormLayer:

@@ -10,7 +10,7 @@ micro-batch and nothing fails.
 
 Evidence: the shared one-step probe fit (`shared_fit.probe`), whose recorder keeps, per BatchNorm
 layer in training mode, per-channel sums of the first micro-batch's input and output and the running
-statistics before and after it (`norm_stats`). From the ranks' sums the check computes what the
+statistics before and after it (`norm_watch.py`). From the ranks' sums the check computes what the
 layer must give on the global batch: the running statistics updated by the global mean and unbiased
 variance, and the output line `weight * (x - mean) / sqrt(var + eps) + bias` with the biased one.
 Each rank's layer is compared with that, and with what its own micro-batch alone would give, so a
@@ -36,11 +36,13 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from ..runner.ranks import ranks_label
-from .support import shared_fit
-from .support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
-from .support.norm_stats import NormLayer
+from ...runner.ranks import ranks_label
+from ..support import shared_fit
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict, rounded
+from .norm_watch import NormLayer, NormWatch
 
+#: what this check reads of the shared probe fit (`checks.PROBE_READERS`)
+PROBE_WATCHER = NormWatch
 #: the largest deviation (in channel standard deviations) that counts as the global batch's statistics in fp32
 TOLERANCE = 1e-3
 #: below this many tolerances between the rank's own and the global statistics, the two cannot be told apart
@@ -59,7 +61,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
                     "to synchronise")
     record = shared_fit.probe(ctx)
     # gathered before any decision, so that every rank decides alike even where ranks built different models
-    gathered = all_gather((record.norm_names, record.norm_layers))
+    watch = record.watched(NormWatch)
+    gathered = all_gather((watch.names, watch.layers) if watch is not None else ([], []))
     world = [rank_layers for _, rank_layers in gathered]
     names = max((rank_names for rank_names, _ in gathered), key=len)
     layers = max(world, key=len)

@@ -11,7 +11,8 @@ broadcast, and again when the one-step fit has ended, for the tensors nothing re
 the next forward. Only digests cross ranks.
 
 `WrapTime` is what the recorder's DDP constructor wrapper (`FitRecorder`, public constructor
-arguments only) saw when the fit built its DDP.
+arguments only) saw when the fit built its DDP. `StartWatch` is the probe's watcher
+(`fit_watch.FitWatcher`) for this check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from ..support.digests import input_digest
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitWatcher
+from ..support.observe import unwrapped
 
 PARAMETER, BUFFER = "parameter", "buffer"
 
@@ -51,17 +59,6 @@ class WrapTime:
                    ignored=frozenset(id(t) for name, t in named if name in ignored_names),
                    init_sync=bool(arguments.get("init_sync", True)), init_buffers=init_buffers,
                    forward_buffers=bool(forward), had_buffers=had_buffers, seen=bound is not None)
-
-
-def bind_ddp_arguments(init: Any, ddp: Any, module: Any, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
-    """DistributedDataParallel's constructor arguments by name, defaults included (None: they do not bind)."""
-    try:
-        bound = inspect.signature(init).bind(ddp, module, *args, **kwargs)
-    except (TypeError, ValueError):
-        return None
-    bound.apply_defaults()
-    return bound
 
 
 @dataclass(frozen=True)
@@ -101,3 +98,36 @@ def tensor_states(model: Any, wrap: WrapTime | None, digest: Any) -> dict[str, T
 def after_states(model: Any, digest: Any) -> dict[str, str]:
     return {name: digest(t.detach()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
+
+
+class StartWatch(FitWatcher):
+    """Every parameter and buffer of the fit's model at its first forward (inside a DDP's forward, after its
+    forward-time broadcast) and at the fit's end (`state`), with what each DDP built in the fit took over."""
+
+    def __init__(self) -> None:
+        self.state: StartState | None = None
+        self._wraps: dict[int, WrapTime] = {}  # id(module) -> what the DDP built around it took over
+
+    def on_wrap(self, ddp: Any, module: Any, arguments: inspect.BoundArguments | None) -> None:
+        self._wraps[id(module)] = WrapTime.of(ddp, module, arguments)
+
+    def on_model(self, model: Any, record: FitRecord) -> None:
+        # a DDP's is taken inside its forward, unless this micro-batch is counted at its backward (eval mode)
+        if not isinstance(model, DistributedDataParallel) or record.first_from_backward:
+            self._take(model)
+
+    def on_forward(self, module: Any, depth: int, record: FitRecord) -> None:
+        if depth == 1 and self.state is None and record.micro_batches == 1 \
+                and module is getattr(record.model, "module", None):  # after DDP's forward-time broadcast
+            self._take(record.model)
+
+    def on_end(self, record: FitRecord) -> None:
+        if self.state is not None and record.model is not None:
+            self.state.after = after_states(unwrapped(record.model), input_digest)
+
+    def _take(self, model: Any) -> None:
+        wrap = None
+        if isinstance(model, DistributedDataParallel):  # a DDP built before the recorder: read off it now
+            wrap = self._wraps.get(id(model.module)) or WrapTime.of(model, model.module, None)
+        self.state = StartState(isinstance(model, DistributedDataParallel), wrap,
+                                tensor_states(unwrapped(model), wrap, input_digest))

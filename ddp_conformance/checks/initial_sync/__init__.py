@@ -12,7 +12,7 @@ DDP only keeps their *updates* equal.
 
 Evidence: the shared one-step probe fit (`shared_fit.probe`), whose recorder digests every parameter
 and buffer at the first forward of the module DDP wraps (after DDP's forward-time broadcast: what
-the first step computes with) and when the fit has ended (`start_state`); its DDP constructor
+the first step computes with) and when the fit has ended (`start_watch.StartWatch`); its DDP constructor
 wrapper notes which tensors the DDP took over and how it broadcasts. Judged, per tensor by name:
 - at the first forward, every parameter and buffer is identical on every rank;
 - after the first step, every parameter, and every buffer that DDP does not broadcast again before
@@ -28,12 +28,14 @@ from typing import Any
 
 import pytest
 
-from ..runner.ranks import ranks_label
-from .support import shared_fit
-from .support.check_context import CheckContext, all_gather, hide_on_verdict
-from .support.start_state import PARAMETER, StartState, TensorState, WrapTime
+from ...runner.ranks import ranks_label
+from ..support import shared_fit
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from .start_watch import PARAMETER, StartState, StartWatch, TensorState, WrapTime
 
 SEED_ADVICE = "seed every rank alike before building the model"
+#: what this check reads of the shared probe fit (`checks.PROBE_READERS`)
+PROBE_WATCHER = StartWatch
 UNWRAPPED = ("the fit's micro-batches do not run through a DistributedDataParallel (the model is not wrapped, or its "
              "forward bypasses the wrapper as model.module(x))")
 
@@ -43,7 +45,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
     if ctx.world_size == 1:
         pytest.skip("world size 1: there is no other rank whose model could differ")
     record = shared_fit.probe(ctx)
-    states = all_gather(record.start_state)
+    watch = record.watched(StartWatch)
+    states = all_gather(watch.state if watch is not None else None)
     silent = [rank for rank, state in enumerate(states) if state is None]
     if silent:
         pytest.skip(f"{ranks_label(silent)} ran no training forward in the fit, so there is no model to compare at "
