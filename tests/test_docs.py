@@ -3,6 +3,7 @@ that names exactly the fixtures there are."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -161,3 +162,47 @@ def test_the_architecture_doc_shows_the_tree():
             shown.add("/".join([*folders, name]))
     actual = {str(path.relative_to(package)) for pattern in ("*.py", "*.json") for path in package.rglob(pattern)}
     assert shown == actual
+
+
+VERDICTS_HEADING = "## Every verdict, with its fix"
+QUOTED = re.compile(r'"([^"]+)"')
+
+
+def _literal_text(paths: list[Path]) -> list[str]:
+    """Every string literal of these sources, an f-string's literal parts each on its own."""
+    found: list[str] = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+    return found
+
+
+def verdict_bullets(text: str) -> list[str]:
+    """The bullets of a page's verdict section, each with its continuation lines joined."""
+    section = text.split(VERDICTS_HEADING, 1)[1].split("\n## ", 1)[0]
+    bullets: list[str] = []
+    for line in section.splitlines():
+        if line.startswith("- "):
+            bullets.append(line[2:])
+        elif line.startswith("  ") and bullets:
+            bullets[-1] += " " + line.strip()
+    return bullets
+
+
+@pytest.mark.parametrize("check", CHECK_IDS)
+def test_each_check_page_lists_its_verdicts_in_the_code_s_words_each_with_its_fix(check: str):
+    """Each verdict on docs/checks/<id>.md opens with words the check's code writes (quoted, verbatim: a page
+    cannot promise a verdict the code never gives), says whether it fails or skips, and gives the fix."""
+    text = (ROOT / "docs" / "checks" / f"{check}.md").read_text()
+    assert VERDICTS_HEADING in text, f"docs/checks/{check}.md has no section {VERDICTS_HEADING!r}"
+    literals = _literal_text(sorted((ROOT / "ddp_conformance" / "checks").rglob("*.py")))
+    bullets = verdict_bullets(text)
+    assert bullets, f"docs/checks/{check}.md lists no verdict"
+    for bullet in bullets:
+        quoted = QUOTED.findall(bullet)
+        assert quoted, f"{check}: a verdict without the code's words: {bullet[:80]!r}"
+        assert bullet.startswith(("**Fails:**", "**Skips:**")), f"{check}: fails or skips? {bullet[:80]!r}"
+        assert "**Fix:**" in bullet, f"{check}: a verdict without its fix: {bullet[:80]!r}"
+        unknown = [q for q in quoted if not any(q in literal for literal in literals)]
+        assert unknown == [], f"{check}: words no check writes: {unknown}"

@@ -10,7 +10,7 @@ The private APIs, and the test that fails when one changes:
 - torch: `ProcessGroup._get_sequence_number_for_group`, `distributed_c10d._get_default_store`,
   `DistributedDataParallel._get_ddp_logging_data`, `Tensor._base`/`_is_view`, `_C._current_graph_task_id`
   (observe.py's `recomputing`): here, and
-  tests/checks/test_verdicts.py (`_base`/`_is_view` meaning), tests/trainers/test_references.py (the
+  tests/checks/support/test_memory.py (`_base`/`_is_view` meaning), tests/trainers/test_references.py (the
   logging data's keys);
 - pytest: `_pytest.assertion.pytest_runtest_protocol` (tests/runner/rank/test_assertion_explanations.py),
   WarningsRecorder's `_ispytest` (tests/runner/rank/test_builtin_fixtures.py), `TerminalReporter._tw`

@@ -36,8 +36,8 @@ import pytest
 from ..adapter import NotProvided
 from ..runner.rank.seeds import fresh_seeds
 from .support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank
+from .support.loader_watch import through_subsets
 from .support.model_state import item_digest
-from .support.observe import through_subsets
 from .support.progress import guarded_fit
 from .support.sampling import per_rank_split
 from .support.tensor_bytes import UnreadableTensor

@@ -48,7 +48,8 @@ from ..runner.ranks import ranks_label
 from .support.adapter_errors import AdapterError
 from .support.check_context import CheckContext, CheckFailed, all_gather, hide_on_verdict
 from .support.digests import step_digest
-from .support.observe import children, rebuilt, unwrapped
+from .support.loader_watch import children, rebuilt
+from .support.observe import unwrapped
 from .support.progress import POLL_SECONDS, PeerFitFailed, guarded_fit, read_all
 
 STEPS = 3

@@ -88,7 +88,7 @@ def test_a_verdict_is_its_message_without_the_harness_source_or_warnings(
     assert "[rank " not in result.stdout.str(), result.stdout.str()  # no output of the ranks at all
 
 
-@pytest.mark.slow  # a nested suite session; tests/checks/test_verdicts.py judges the same stall verdict in place
+@pytest.mark.slow  # a nested suite session; tests/checks/support/test_progress.py judges its stall verdict
 def test_a_rank_whose_fit_raised_is_named_with_its_error_and_only_the_waiting_rank_hangs(
         pytester: pytest.Pytester) -> None:
     pytester.makepyfile(fit_raises="""

@@ -208,3 +208,54 @@ def test_pytest_html_rows_carry_the_figures_and_the_verdict(real_run: dict[str, 
 
 def doc_result(doc: dict[str, Any], label: str, check: str) -> dict[str, Any]:
     return next(r for r in doc["results"] if r["trainer"] == label and r["check"] == check)
+
+
+def _session(checks: tuple[str, ...]) -> list[dict]:
+    results = [{"trainer": t, "check": c, "outcome": "passed", "figures": {"summary": "ok"}, "message": ""}
+               for t in ("torch", "x") for c in checks]
+    grads = checks.index("gradient_equivalence")
+    results[len(checks) + grads] = {"trainer": "x", "check": checks[grads], "outcome": "failed", "figures": {},
+                                    "message": "gradients are exactly 1/2 of the single-process gradients: ..."}
+    return results
+
+
+MATRIX_CHECKS = CHECK_IDS[:6]  # a session that selects some checks (-k): their matrix fits 120 columns
+
+
+def test_matrix_has_a_row_per_trainer_and_lists_failures_with_their_verdict():
+    lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": _session(MATRIX_CHECKS)})
+    # a check id too wide for its column goes on as many lines as it needs, broken after its underscores
+    header = lines[:lines.index("")]
+    starts = [m.start() for m in re.finditer(r"\S+", header[0])]
+    assert header[0].split()[0] == "trainer"
+    names = ["".join(line[start:].split(maxsplit=1)[0] if line[start:start + 1].strip() else "" for line in header)
+             for start in starts[1:]]
+    assert names == list(MATRIX_CHECKS), header
+    torch_row = lines.index(next(line for line in lines if line.startswith("torch")))
+    n = len(MATRIX_CHECKS)
+    assert lines[torch_row].count("PASS") == n and lines[torch_row + 1].split() == ["ok"] * n
+    x_row = next(line for line in lines if line.startswith("x "))
+    expected = [w for c in MATRIX_CHECKS for w in (["FAIL", "[1]"] if c == "gradient_equivalence" else ["PASS"])]
+    assert x_row.split() == ["x", *expected]
+    assert lines[-1] == ("[1] x / gradient_equivalence failed: "
+                         "gradients are exactly 1/2 of the single-process gradients: ...")
+
+
+def test_checks_too_many_to_stand_side_by_side_become_the_rows():
+    lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": _session(CHECK_IDS)})
+    assert lines[0].split() == ["check", "torch", "x"] and all(len(line) <= 120 for line in lines)
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:] if line and not line.startswith((" ", "["))}
+    assert list(rows) == list(CHECK_IDS)
+    assert all(cells == (["PASS", "FAIL", "[1]"] if check == "gradient_equivalence" else ["PASS", "PASS"])
+               for check, cells in rows.items()), rows
+    assert lines[-1] == ("[1] x / gradient_equivalence failed: "
+                         "gradients are exactly 1/2 of the single-process gradients: ...")
+
+
+def test_a_session_too_wide_either_way_is_listed_a_line_per_trainer_and_check():
+    trainers = [f"LightningTransformerNumber{n}" for n in range(8)]  # no place to break a name
+    results = [{"trainer": t, "check": c, "outcome": "passed", "figures": {"summary": "ok"}, "message": ""}
+               for t in trainers for c in CHECK_IDS]
+    lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": results})
+    assert lines[0] == trainers[0] and f"  {CHECK_IDS[-1]}: PASS ok" in lines
+    assert len(lines) == len(trainers) * (1 + len(CHECK_IDS))

@@ -10,6 +10,7 @@ import pytest
 
 from ddp_conformance.adapter import NotProvided, TrainerAdapter
 from ddp_conformance.trainers import SpecError, resolve_spec
+from ddp_conformance.trainers.spec import trainer_label
 
 ADAPTER = """
 from ddp_conformance.adapter import TrainerAdapter
@@ -262,3 +263,10 @@ def assert_one_line_spec_error(spec: str, root, reason: str) -> None:
     assert "\n" not in message
     assert message.startswith(f"trainer SPEC {spec!r}: ")
     assert reason in message
+
+
+def test_trainer_labels_are_short_and_readable():
+    assert trainer_label("torch") == "torch"
+    assert trainer_label("/abs/fixtures/mutants/no_set_epoch.py:Trainer") == "no_set_epoch"
+    assert trainer_label("adapters.py:MyTrainer") == "adapters.MyTrainer"
+    assert trainer_label("pkg.module:Trainer") == "module"

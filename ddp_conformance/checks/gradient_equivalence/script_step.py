@@ -50,7 +50,8 @@ from ..support.first_steps import overflow_reason
 from ..support.fit_record import FitRecord
 from ..support.fit_watch import FitPlan
 from ..support.gradients import FirstStepShape, Recompute, clipping, fit_diagnosis, max_delta
-from ..support.observe import FitRecorder, children, ddp_argument_forced, rebuilt, trains_batchnorm, unwrapped
+from ..support.loader_watch import children, rebuilt
+from ..support.observe import FitRecorder, ddp_argument_forced, trains_batchnorm, unwrapped
 from ..support.one_world import without_comm_hooks, world_of_one
 from ..support.progress import guarded_fit
 from ..support.vacuity import skip_as_vacuous

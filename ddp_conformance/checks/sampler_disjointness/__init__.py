@@ -29,7 +29,7 @@ from ...adapter import NotProvided
 from ...trainers.spec import LIGHTNING, SCRIPT
 from ..support import shared_fit
 from ..support.check_context import CheckContext, all_gather, hide_on_verdict, on_every_rank
-from ..support.observe import dropped_tail
+from ..support.loader_watch import dropped_tail
 from ..support.progress import epoch_steps
 from ..support.sampling import analyse, analyse_started_epoch, per_rank_split
 from . import loader_schemes

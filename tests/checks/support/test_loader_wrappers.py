@@ -10,7 +10,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 
 from ddp_conformance.checks.support import loader_wrappers
 from ddp_conformance.checks.support.fit_watch import FitPlan
-from ddp_conformance.checks.support.observe import FitRecorder, dropped_tail
+from ddp_conformance.checks.support.loader_watch import dropped_tail
+from ddp_conformance.checks.support.observe import FitRecorder
 
 NEEDS_ACCELERATE = "accelerate (the dev extra) is not installed: its wrappers cannot be built"
 

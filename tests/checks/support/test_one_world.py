@@ -126,3 +126,25 @@ def test_ddp_registers_no_comm_hook_in_the_reference(ddp):
     hooked = DistributedDataParallel(torch.nn.Linear(2, 2))
     hooked.register_comm_hook(None, never)  # outside it, DDP's own method again
     assert comm_hook_name(hooked) is not None
+
+
+def test_the_world_of_one_reaches_names_imported_from_torch_distributed_but_not_torch_itself(monkeypatch):
+    """`from torch.distributed import get_world_size as ws` in the trainer's module reads 1 in the
+    reference, as in a real single-process run; torch's own modules keep the real functions."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from ddp_conformance.checks.support.one_world import world_of_one
+
+    trainer_module = types.ModuleType("users_training_script")
+    exec("from torch.distributed import get_world_size as ws, get_rank", trainer_module.__dict__)
+    monkeypatch.setitem(sys.modules, "users_training_script", trainer_module)
+    real = c10d.get_world_size
+    with world_of_one():
+        assert trainer_module.ws() == 1 and trainer_module.get_rank() == 0  # no group: the real ones would raise
+        assert dist.get_world_size() == 1
+        assert c10d.get_world_size is real  # DDP and the collectives keep reading the real group
+    assert trainer_module.ws is real and trainer_module.get_rank is c10d.get_rank

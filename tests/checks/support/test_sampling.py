@@ -197,3 +197,14 @@ def test_a_started_epoch_with_an_index_outside_the_dataset_is_named():
     verdict = analyse_started_epoch([[0, 1], [2, 9]], 4, epoch=2)
     assert not verdict.ok
     assert "rank 1 receives index 9 outside the dataset of 4 samples in epoch 2" in verdict.diagnosis
+
+
+def test_subsets_drawn_per_rank_are_named_as_such_and_shards_or_one_shared_split_are_not():
+    from ddp_conformance.checks.support.sampling import per_rank_split
+
+    drawn = per_rank_split([[0, 1, 2, 4], [1, 2, 3, 5]])  # two random_split parts drawn on each rank
+    assert drawn.startswith("each rank draws from its own random_split subset") and "2 of their 4 and 4" in drawn
+    assert "seed the split's generator identically on every rank" in drawn
+    assert per_rank_split([[0, 2, 4], [1, 3, 5]]) == ""  # each rank's own shard: a scheme of its own
+    assert per_rank_split([[0, 1, 3], [0, 1, 3]]) == ""  # one split, seeded alike
+    assert per_rank_split([[0, 1, 3], None]) == ""  # only one rank over a Subset: not this cause
