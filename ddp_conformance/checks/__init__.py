@@ -33,6 +33,8 @@ PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 #: their module's `PROBE_WATCHER`: the probe carries every one of them, since whichever check runs it first,
 #: the others reuse it
 PROBE_READERS = ("bucket_view_memory", "initial_sync", "resume_fidelity", "sync_batchnorm")
+#: the same for the shared fit to n: their module's `LONG_FIT_WATCHERS(k, n, checkpoint_at)` plans their watchers
+LONG_FIT_READERS = ("resume_fidelity",)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,11 @@ def probe_watchers() -> tuple[Any, ...]:
     return tuple(importlib.import_module(f"{__name__}.{check_id}").PROBE_WATCHER for check_id in PROBE_READERS)
 
 
+def long_fit_watchers() -> tuple[Any, ...]:
+    """What plans each long-fit reader's watchers (`LONG_FIT_READERS`)."""
+    return tuple(importlib.import_module(f"{__name__}.{check_id}").LONG_FIT_WATCHERS for check_id in LONG_FIT_READERS)
+
+
 def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> CheckResult:
     """Run one check for one trainer on this rank; the suite's test body.
 
@@ -94,7 +101,7 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     try:
         with named(options.trainer.label):
             ctx = CheckContext.create(check_id, options, ddp, Path(workdir), figures)
-            ctx.probe_watchers = probe_watchers()
+            ctx.probe_watchers, ctx.long_fit_watchers = probe_watchers(), long_fit_watchers()
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)

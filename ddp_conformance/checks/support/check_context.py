@@ -84,6 +84,8 @@ class CheckContext:
     max_steps: int | None = None  # `--ddp-max-steps`: the most optimizer steps one fit may train
     # what makes the watchers of the checks that read the shared probe fit (`checks.probe_watchers`)
     probe_watchers: tuple[Callable[[], FitWatcher], ...] = ()
+    # what plans the watchers of the checks that read the shared fit to n, from its k, n and checkpoint step
+    long_fit_watchers: tuple[Callable[[int, int, int | None], tuple[Callable[[], FitWatcher], ...]], ...] = ()
     began: float = field(default_factory=time.perf_counter)
     _depth: int = 0
 

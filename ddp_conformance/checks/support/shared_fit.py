@@ -31,7 +31,6 @@ Evidence is reused only where it is the same fit (`session_evidence.py` keeps it
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -46,10 +45,8 @@ from .check_context import CheckContext, all_gather
 from .first_steps import without_dropout
 from .fit_record import FitRecord
 from .fit_watch import FitPlan
-from .parting import STEPS as PARTING_STEPS
 from .progress import Progress, epoch_steps, guarded_fit
 from .session_evidence import kept_or_run
-from .step_marks import ParamsAt, SnapshotAt, StepDigests
 from .vacuity import TrainingEvidence
 
 #: the dropout the shared fit's config gets when it has none, so that a lost RNG state shows in a resume
@@ -196,7 +193,7 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
             state, progress = guarded_fit(
                 ctx, "uninterrupted", n, lambda obs: _adapter(ctx, config).fit(
                     n, checkpoint_dir=checkpoint_dir, checkpoint_at=at, observer=obs),
-                _long_fit_plan(k, n, at), evidence)
+                _long_fit_plan(ctx, k, n, at), evidence)
         lr_trail.remember(ctx.recordings["uninterrupted"], rates)
         return ObservedFit(config, cadence, epoch, k, n, ctx.recordings["uninterrupted"], state, progress,
                            checkpoint_dir, ctx.check_id)
@@ -206,16 +203,11 @@ def observed_fit(ctx: CheckContext, epoch: int) -> ObservedFit:
     return held
 
 
-def _long_fit_plan(k: int, n: int, checkpoint_at: int | None) -> FitPlan:
-    """What the uninterrupted fit keeps for resume_fidelity: every micro-batch's inputs, the parameters after
-    each step, the state at the checkpoint step (a checkpoint read without stopping there) and the parameters
-    `parting.STEPS` after it (where a resume that parted for good stops early)."""
-    watchers: list[Any] = [StepDigests]
-    if checkpoint_at is not None:
-        watchers.append(functools.partial(SnapshotAt, checkpoint_at))
-    if k + PARTING_STEPS <= n:
-        watchers.append(functools.partial(ParamsAt, k + PARTING_STEPS))
-    return FitPlan(all_inputs=True, watchers=tuple(watchers))
+def _long_fit_plan(ctx: CheckContext, k: int, n: int, checkpoint_at: int | None) -> FitPlan:
+    """What the uninterrupted fit keeps: every micro-batch's inputs (what a resume is compared with), and what its
+    readers' watchers record, planned from k, n and where it checkpoints (`checks.LONG_FIT_READERS`)."""
+    watchers = tuple(make for plan in ctx.long_fit_watchers for make in plan(k, n, checkpoint_at))
+    return FitPlan(all_inputs=True, watchers=watchers)
 
 
 def planned_horizon(ctx: CheckContext, epoch: int, cadence: int | str | None) -> tuple[int, int]:

@@ -140,13 +140,19 @@ def test_the_recorder_takes_a_listener_a_rank_and_one_plan():
     assert list(inspect.signature(guarded_fit).parameters) == ["ctx", "label", "steps", "call", "plan", "inner"]
 
 
-def test_every_check_that_reads_the_probe_through_a_watcher_is_a_probe_reader():
-    """The shared probe carries `checks.PROBE_READERS`' watchers: a check with a `PROBE_WATCHER` left out of the
-    list would find nothing in a probe another check ran first."""
-    from ddp_conformance.checks import PROBE_READERS, probe_watchers
+@pytest.mark.parametrize(("readers", "declared"), [("PROBE_READERS", "PROBE_WATCHER"),
+                                                   ("LONG_FIT_READERS", "LONG_FIT_WATCHERS")])
+def test_every_check_that_reads_a_shared_fit_through_a_watcher_is_among_its_readers(readers: str, declared: str):
+    """The shared fits carry their readers' watchers: a check with a `PROBE_WATCHER` (or `LONG_FIT_WATCHERS`) left
+    out of `checks.PROBE_READERS` (`LONG_FIT_READERS`) would find nothing in a fit another check ran first."""
+    import ddp_conformance.checks as checks
     from ddp_conformance.selection import CHECK_IDS
 
     watching = [check_id for check_id in CHECK_IDS
-                if hasattr(importlib.import_module(f"ddp_conformance.checks.{check_id}"), "PROBE_WATCHER")]
-    assert sorted(watching) == sorted(PROBE_READERS)
-    assert all(FitWatcher in type(make()).__mro__ for make in probe_watchers())
+                if hasattr(importlib.import_module(f"ddp_conformance.checks.{check_id}"), declared)]
+    assert sorted(watching) == sorted(getattr(checks, readers))
+    assert all(FitWatcher in type(make()).__mro__ for make in checks.probe_watchers())
+    planned = [make() for plan in checks.long_fit_watchers() for make in plan(10, 20, 10)]
+    assert [type(w).__name__ for w in planned] == ["StepDigests", "SnapshotAt", "ParamsAt"]
+    assert [type(w).__name__ for plan in checks.long_fit_watchers() for w in (m() for m in plan(10, 11, None))] == [
+        "StepDigests"]  # no checkpoint on the way; k + parting.STEPS past n

@@ -208,8 +208,8 @@ def test_steps_a_grad_scaler_skips_are_counted_as_the_trainer_counts_them_not_ta
 
     from ddp_conformance.checks.gradient_equivalence.fit_step import _unjudgeable
     from ddp_conformance.checks.gradient_equivalence.script_step import _first_step_problem
+    from ddp_conformance.checks.resume_fidelity.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
     from ddp_conformance.checks.support.observe import FitRecorder
-    from ddp_conformance.checks.support.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
 
     torch.manual_seed(0)
     model = nn.Linear(3, 1)

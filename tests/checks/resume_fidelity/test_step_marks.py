@@ -13,9 +13,9 @@ def test_steps_are_digested_and_snapshotted_only_on_request_and_a_second_optimiz
     import torch
     from torch import nn
 
+    from ddp_conformance.checks.resume_fidelity.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
     from ddp_conformance.checks.support.fit_watch import FitPlan
     from ddp_conformance.checks.support.observe import FitRecorder
-    from ddp_conformance.checks.support.step_marks import SnapshotAt, StepDigests, snapshot_of, step_digests
 
     def fit(plan: FitPlan) -> tuple:
         torch.manual_seed(0)

@@ -3,19 +3,23 @@
 resume_fidelity compares a resumed run with the uninterrupted one step by step (`StepDigests`), reads
 the state a checkpoint at step k holds without stopping the fit there (`SnapshotAt`), and ends a
 resume early once it has parted from the parameters the uninterrupted run had a few steps after k
-(`ParamsAt`). The uninterrupted fit is shared (`shared_fit.py` plans k and n), so these live here.
+(`ParamsAt`). The probe and the uninterrupted fit are shared (`support/shared_fit.py`): they carry these
+through `checks.PROBE_READERS` and `checks.LONG_FIT_READERS` (`long_fit_watchers`).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...resumable import capture_rng_state
-from .digests import step_digest
-from .fit_record import FitRecord
-from .fit_watch import FitWatcher
-from .observe import buffer_names, trainer_name, unwrapped
+from ..support.digests import step_digest
+from ..support.fit_record import FitRecord
+from ..support.fit_watch import FitWatcher
+from ..support.observe import buffer_names, trainer_name, unwrapped
+from ..support.parting import STEPS as PARTING_STEPS
 
 #: the parameters are digested after each of the first optimizer steps, no more
 DIGESTED_STEPS = 64
@@ -74,6 +78,18 @@ class ParamsAt(FitWatcher):
         if record.iterations == self.step and record.model is not None:
             self.params = {trainer_name(name): p.detach().cpu().clone()
                            for name, p in unwrapped(record.model).named_parameters()}
+
+
+def long_fit_watchers(k: int, n: int, checkpoint_at: int | None) -> tuple[Callable[[], FitWatcher], ...]:
+    """What the uninterrupted fit to n carries for resume_fidelity: the parameters after each step, the state at
+    the checkpoint step where the fit writes it (read without stopping there), and the parameters
+    `parting.STEPS` after k (where a resume that parted for good stops early)."""
+    watchers: list[Callable[[], FitWatcher]] = [StepDigests]
+    if checkpoint_at is not None:
+        watchers.append(functools.partial(SnapshotAt, checkpoint_at))
+    if k + PARTING_STEPS <= n:
+        watchers.append(functools.partial(ParamsAt, k + PARTING_STEPS))
+    return tuple(watchers)
 
 
 def step_digests(record: FitRecord) -> list[str]:

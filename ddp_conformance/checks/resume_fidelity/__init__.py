@@ -68,29 +68,31 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from .. import plan
-from ..adapter import FitObserver, StepInfo, TrainState
-from ..resumable import capture_rng_state, restore_rng_state, seed_all
-from ..runner.ranks import ranks_label
-from .rank_participation import STEPS as PARTICIPATION_STEPS
-from .support import lr_trail, shared_fit
-from .support.check_context import CheckContext, all_gather, hide_on_verdict
-from .support.fit_watch import FitPlan
-from .support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
-from .support.observe import buffer_names
-from .support.parting import StopOnceParted
-from .support.per_rank_files import shared_writes
-from .support.progress import guarded_fit
-from .support.replica_watch import modes_apart, modes_resumed
-from .support.shared_fit import ObservedFit
-from .support.step_marks import StepDigests, kept_params, snapshot_of, step_digests
-from .support.vacuity import skip_as_vacuous, vacuity_verdict
+from ... import plan
+from ...adapter import FitObserver, StepInfo, TrainState
+from ...resumable import capture_rng_state, restore_rng_state, seed_all
+from ...runner.ranks import ranks_label
+from ..rank_participation import STEPS as PARTICIPATION_STEPS
+from ..support import lr_trail, shared_fit
+from ..support.check_context import CheckContext, all_gather, hide_on_verdict
+from ..support.fit_watch import FitPlan
+from ..support.model_state import BUFFER_SUFFIXES, Difference, buffers, differences, digest, drifted, parameters
+from ..support.observe import buffer_names
+from ..support.parting import StopOnceParted
+from ..support.per_rank_files import shared_writes
+from ..support.progress import guarded_fit
+from ..support.replica_watch import modes_apart, modes_resumed
+from ..support.shared_fit import ObservedFit
+from ..support.vacuity import skip_as_vacuous, vacuity_verdict
+from .step_marks import StepDigests, kept_params, long_fit_watchers, snapshot_of, step_digests
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
+    from ...config import RunConfig
 
 #: what this check reads of the shared probe fit (`checks.PROBE_READERS`): whether two probes step alike
 PROBE_WATCHER = StepDigests
+#: what this check reads of the shared fit to n (`checks.LONG_FIT_READERS`)
+LONG_FIT_WATCHERS = long_fit_watchers
 BUFFERS_LOST = "the model's buffers are not restored"
 SCHEDULE_BY_TOTAL = "the learning-rate schedule is set by the total steps"
 
