@@ -110,6 +110,10 @@ def test_sigkill_of_pytest_takes_the_ranks_with_it(pytester: pytest.Pytester, se
     assert leftovers(session_tmpdir) == ["ddp-conformance-fork-server", "ddp-conformance-ws2"]
 
 
+def _signals_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, signum: int,
                                                  session_tmpdir: Path) -> None:
@@ -130,6 +134,9 @@ def test_sigterm_or_sigint_mid_test_ends_cleanly(pytester: pytest.Pytester, sign
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--ddp-backend", "gloo", str(pytester.path)],
         cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, TMPDIR=str(session_tmpdir)),
+        # as a terminal's pytest has it: a run started in the background of a script (CI's `.ci/run &`) inherits
+        # SIGINT ignored, and a Python that starts with it ignored never raises KeyboardInterrupt
+        preexec_fn=_signals_as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 60
