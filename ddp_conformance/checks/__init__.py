@@ -4,9 +4,10 @@ Each check is a module (or a package, when it has a second look of its own) with
 `run(ctx: CheckContext) -> dict`, written against the adapter only (`ddp_conformance.adapter`): it
 never imports a trainer. A check either returns its figures (pass), raises `CheckFailed` whose first
 line names the bug (fail), or calls `pytest.skip(reason)` when the adapter cannot give what it needs
-(`NotProvided`) or the platform cannot run it. `run_check` turns each of the three into one
-`CheckResult`, sent once to the pytest process (`ddp.figures[RESULT_FIGURE]`), from which the suite's
-test passes, fails or skips and the report reads its row. What the checks share is in `support/`.
+(`NotProvided`) or the platform cannot run it. `run_check` records each of the three as one
+`CheckResult`, sent once to the pytest process (`ddp.figures[RESULT_FIGURE]`), and lets the check's own
+verdict end the test; the report reads the verdict and figures from that value alone. What the checks
+share is in `support/`.
 
 Importing this package does not import torch: the suite and the report import it in the pytest
 process for the check ids and the result's shape.
@@ -57,14 +58,6 @@ class CheckResult:
             return None
         return cls(str(value.get("outcome", "")), str(value.get("verdict", "")), value["figures"])
 
-    def conclude(self) -> None:
-        """Pass, fail or skip the running test as this result says, with its verdict as the message."""
-        __tracebackhide__ = True
-        if self.outcome == SKIPPED:
-            pytest.skip(self.verdict)
-        if self.outcome == FAILED:
-            raise CheckFailed(self.verdict)
-
 
 def stall_seconds(timeout: float) -> float:
     """A tenth of the test timeout, within [2, 15] s: a healthy rank finishes its last step well
@@ -87,8 +80,10 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
     """Run one check for one trainer on this rank; the suite's test body.
 
     Resolves the parsed SPEC in this rank (classes do not cross processes), reconciles the config
-    with the group the harness started, and returns the check's one result, also put in
-    `ddp.figures` as it grows, so that what a check measured before an error of its own is reported.
+    with the group the harness started, and puts the check's one result in `ddp.figures`, as it grows
+    (what a check measured before an error of its own is reported). The check's own verdict, a
+    `CheckFailed` or a skip, goes on as the check raised it: the result records it, and it ends the test.
+    Returns the result of a check that passed.
     """
     __tracebackhide__ = hide_on_verdict
     if check_id not in CHECK_IDS:
@@ -103,19 +98,24 @@ def run_check(check_id: str, options: CheckOptions, ddp: Any, workdir: Any) -> C
             ctx = CheckContext.create(check_id, options, ddp, Path(workdir), figures)
             ctx.probe_watchers, ctx.long_fit_watchers = probe_watchers(), long_fit_watchers()
             result = CheckResult(PASSED, figures=ctx.finish(module.run(ctx)))
+        return result
     except CheckFailed as exc:
         result = CheckResult(FAILED, str(exc), figures)
+        raise
     except (NotProvided, pytest.skip.Exception) as exc:
         # a skip keeps what the check spent and observed before it: its time is the suite's cost too
         reason = exc.msg if isinstance(exc, pytest.skip.Exception) else str(exc)
         result = CheckResult(SKIPPED, reason, ctx.finish({}) if ctx is not None else figures)
+        if isinstance(exc, NotProvided):  # the adapter cannot give what the check needs: it does not apply
+            pytest.skip(reason)
+        raise
     finally:
-        # after an error of the check's own the process may hold anything; a verdict leaves it as the check's
-        # completed fits did (a fit that raised or hung has already dropped the evidence, in `guarded_fit`)
-        if result is None:
+        if result is not None:
+            ddp.figures[RESULT_FIGURE] = result.as_figure()
+        else:
+            # after an error of the check's own the process may hold anything; a verdict leaves it as the check's
+            # completed fits did (a fit that raised or hung has already dropped the evidence, in `guarded_fit`)
             session_evidence.forget()
-    ddp.figures[RESULT_FIGURE] = result.as_figure()
-    return result
 
 
 __all__ = ["CHECK_IDS", "DEFAULT_CHECKS", "RESULT_FIGURE", "CheckContext", "CheckFailed", "CheckOptions",

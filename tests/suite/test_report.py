@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from ddp_conformance.checks import CHECK_IDS
-from ddp_conformance.suite.report import MATRIX_WIDTH, matrix_lines, schema
+from ddp_conformance.checks import CHECK_IDS, FAILED, PASSED, RESULT_FIGURE, SKIPPED, CheckResult
+from ddp_conformance.suite.report import MATRIX_WIDTH, matrix_lines, row_message, schema, unpack_result
 from ddp_conformance.trainers.spec import trainer_labels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -259,3 +259,24 @@ def test_a_session_too_wide_either_way_is_listed_a_line_per_trainer_and_check():
     lines = matrix_lines({"world_size": 2, "backend": "gloo", "results": results})
     assert lines[0] == trainers[0] and f"  {CHECK_IDS[-1]}: PASS ok" in lines
     assert len(lines) == len(trainers) * (1 + len(CHECK_IDS))
+
+
+@pytest.mark.parametrize(("outcome", "sent", "message"), [
+    ("failed", CheckResult(FAILED, "gradients are 1/2", {"worst": 0.5}), "gradients are 1/2"),
+    ("skipped", CheckResult(SKIPPED, "the trainer has no checkpoint", {"worst": 0.5}),
+     "the trainer has no checkpoint"),
+    ("passed", CheckResult(PASSED, "", {"worst": 0.5}), ""),
+    # rank 0's check passed, another rank's failed: the test's outcome stands, with pytest's own message
+    ("failed", CheckResult(PASSED, "", {"worst": 0.5}), "rank 1 failed: RuntimeError: boom"),
+])
+def test_the_row_takes_the_verdict_and_figures_from_the_checks_one_value(
+        outcome: str, sent: CheckResult, message: str) -> None:
+    longrepr = "rank 1 failed: RuntimeError: boom" if outcome == "failed" else (
+        ("x.py", 1, "Skipped: pytest's own reason") if outcome == "skipped" else None)
+    report = pytest.TestReport("t.py::test_conformance[t-c]", ("t.py", 1, "test_conformance"), {}, outcome,
+                               longrepr, "call", user_properties=[(RESULT_FIGURE, sent.as_figure())])
+    unpack_result(report)
+    assert report.user_properties == [("worst", 0.5)]
+    assert row_message(report) == message
+    unpack_result(report)  # once per report: the figures are not unpacked twice
+    assert report.user_properties == [("worst", 0.5)]

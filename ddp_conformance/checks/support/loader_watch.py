@@ -56,7 +56,17 @@ class LoaderWatch:
                     self._patch(loader_type, "__iter__", self._outer_iter)
         self._patch(BatchSampler, "__iter__", self._batch_sampler_iter)
 
-    def keep_batch(self, first: FirstStep, newest: int) -> None:
+    def micro_batch(self, inputs: Any) -> None:
+        """What the plan asks of each micro-batch: which batch of the newest pass it trains (`draws`), and in the
+        first step that batch itself (`keep_batches`)."""
+        record, newest = self.record, len(self.record.passes) - 1
+        if self._draws is not None:
+            record.micro_draws.append((newest, self._trained_batch(inputs), record.optimizer_steps))
+        first = record.first_step
+        if self._keep_batches and first is not None and first.grads is None:
+            self._keep_batch(first, newest)
+
+    def _keep_batch(self, first: FirstStep, newest: int) -> None:
         """The batch the newest pass last yielded, for this micro-batch of the first step."""
         dispatched = newest >= 0 and self.record.passes[newest].dispatched
         if self._yielded is not None and self._yielded[0] == newest and not dispatched:
@@ -69,7 +79,7 @@ class LoaderWatch:
             first.sources.append((newest if newest >= 0 else None, 0))
             first.batches.append(None)
 
-    def trained_batch(self, inputs: Any) -> int:
+    def _trained_batch(self, inputs: Any) -> int:
         """Which batch of the newest pass a micro-batch trains: the latest one, still alive, whose tensors its
         forward's inputs are or are views of (a loop that reads one ahead, as Lightning's, has yielded the next batch
         already; one that skips what a resume consumed, `if i < skip: continue`, has yielded batches it never

@@ -96,10 +96,8 @@ class FitRecorder:
         self._skipped = 0  # optimizer steps a GradScaler skipped, counted in `optimizer_steps` as the trainer counts
         self._capture_first_step = plan.first_step
         self._all_inputs = plan.all_inputs
-        self._keep_batches = plan.keep_batches and plan.first_step
         self._on_first_micro_batch = plan.on_first_micro_batch
         self._model_hooks_only = plan.model_hooks_only
-        self._draws = plan.draws
         self._forward_hooks: list[Any] = []  # the global forward hooks' handles
         # (model, pass, index) of a micro-batch whose positional inputs hold no tensor: its keyword inputs
         # (`model(input_ids=x)`, as Hugging Face calls a model) reach only a hook of the model's own
@@ -206,15 +204,11 @@ class FitRecorder:
             if record.micro_batches < 2:  # a hook comes before the first backward, so the second forward sees it
                 record.ddp["comm_hook"] = comm_hook_name(model)
             record.synced.append(bool(model.require_backward_grad_sync))
-        if self._draws is not None:
-            trained = self._loaders.trained_batch(inputs)
-            record.micro_draws.append((len(record.passes) - 1, trained, record.optimizer_steps))
+        self._loaders.micro_batch(inputs)
         self._amp.micro_batch(model)
         self._mark_rng(first)
         self._replicas.micro_batch(model, unwrapped(model), record.optimizer_steps, record.micro_batches, trainer_name)
         record.micro_batches += 1
-        if self._keep_batches and record.first_step is not None and record.first_step.grads is None:
-            self._loaders.keep_batch(record.first_step, len(record.passes) - 1)
         training = record.training_passes()
         if record.passes and not record.passes[-1].trained:
             record.passes[-1].trained = True
