@@ -11,8 +11,7 @@ For each trainer and world size, one after the other, in a fresh working directo
           start included (`plain_fit.py`), for n optimizer steps: n is the resume horizon, the
           `final_step` the suite's resume_fidelity reports for that trainer and world size (the
           longest fit the suite runs, which sampler_disjointness judges too; `plan_steps` in
-          plan.py: k = E + E//2 + 1 into the second epoch, n = max(k + E, 3E + 1),
-          with E the optimizer steps of one epoch).
+          plan.py: n = 3E + 1 and k = 3E - 1, with E the optimizer steps of one epoch).
 It prints the headline ratio suite/plain per row against the target (<= 1.5x, the goal set for the demo
 transformer at world sizes 2 and 4), and where the suite's time goes, from the report's figures (rank 0's):
 each check's `check_seconds`, its share of the time spent in checks and the steps it observed

@@ -30,12 +30,15 @@ STEADY_STEPS = 3
 
 
 def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
-    """(k, n): resume_fidelity's checkpoint step and final step. The checkpoint lies in the *second*
-    epoch, so a resume that restores the position but not the epoch shows, and the resumed part
-    crosses an epoch boundary. Without a declared cadence k is mid-epoch (E + E//2 + 1); a trainer
-    that checkpoints only at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that
-    checkpoints every N steps the first multiple of N inside the second epoch or after it. n is at
-    least k + E, and one step past sampler_disjointness's three whole epochs, so one fit serves both.
+    """(k, n): resume_fidelity's checkpoint step and final step. n is one step past sampler_disjointness's
+    three whole epochs (3E + 1), so one fit serves both. The checkpoint lies past the first epoch, so a
+    resume that restores the position but not the epoch shows, and the resumed part crosses an epoch
+    boundary. Without a declared cadence k = 3E - 1, one batch before the third epoch's end: the resume
+    trains that epoch's last batch and the next epoch's first, two steps whatever the epoch's length
+    (a resume that restores anything wrongly parts from the uninterrupted run in its first step; one that
+    restores the position once but not at the next epoch, in its second). A trainer that checkpoints only
+    at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that checkpoints every N steps the
+    first multiple of N inside the second epoch or after it, and n at least k + E.
 
     An epoch longer than LONG_EPOCH_STEPS (`whole_epochs` False) is not trained whole: k is the first
     step the trainer can checkpoint at past LONG_EPOCH_STEPS (mid-way through the first epoch, without a
@@ -43,13 +46,14 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
     checkpoints only at epoch ends still needs the first one (k = E)."""
     if not whole_epochs(epoch):
         return _plan_within_an_epoch(epoch, cadence)
+    last = WHOLE_EPOCHS * epoch + 1
     if cadence == "epoch":
         k = 2 * epoch
     elif isinstance(cadence, int) and cadence > 0:
         k = cadence * math.ceil((epoch + 1) / cadence)
     else:
-        k = epoch + epoch // 2 + 1
-    return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), WHOLE_EPOCHS * epoch + 1)
+        return last - 2, last
+    return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), last)
 
 
 def whole_epochs(epoch: int) -> bool:
@@ -179,7 +183,7 @@ def header_lines(checks: tuple[str, ...], trainers: int, world_size: int, max_st
     if not verbose:
         return [*lines, "  (-v lists each check's fits)"] if checks else lines
     lines.append(f"  E: the epoch in optimizer steps (the probe measures it); k, n: the checkpoint and last step of "
-                 f"the long fit: k = E + E//2 + 1 and n = 3E + 1 up to E = {LONG_EPOCH_STEPS}, past it "
+                 f"the long fit: k = 3E - 1 and n = 3E + 1 up to E = {LONG_EPOCH_STEPS}, past it "
                  f"k = {LONG_EPOCH_STEPS + 1} and n = k + {LONG_EPOCH_STEPS} (a checkpoint cadence moves k)")
     width = max(map(len, checks), default=0)
     lines += [f"  {check:<{width}}  " + "; ".join(fit.describe() for fit in CHECK_FITS[check]) for check in checks]

@@ -257,15 +257,16 @@ def test_a_script_that_reseeds_and_draws_its_batches_is_blamed_on_its_rng_not_a_
     assert "data position" not in message and "the batches after the resume differ too, following the RNG" in message
 
 
-@pytest.mark.parametrize(("mutant", "ended_at"), [("lightning_plain_loader", 2), ("no_set_epoch", 2),
+@pytest.mark.parametrize(("mutant", "ended_at"), [("lightning_plain_loader_saves_every_5", 2),
                                                   ("lightning_no_rng", None), ("ckpt_no_rng", None)])
 def test_the_diagnostic_resume_ends_once_it_has_parted_and_runs_whole_where_it_matches(
         session: dict[str, Any], mutant: str, ended_at: int | None) -> None:
     """resume_fidelity's second resume (the RNG as it was at the checkpoint) ends after two micro-batches
     where it was fed other inputs and its weights differ already (a plain DataLoader in Lightning that
-    re-reads the epoch's first batches, a class trainer whose loop never calls set_epoch), and runs to the
-    horizon where it matches the uninterrupted run (only the RNG is lost): its verdicts are the whole run's
-    (the matrix above holds them to their words)."""
+    re-reads the epoch's first batches, resumed from a checkpoint its cadence puts early in the second epoch,
+    so that the resume is longer than the two steps it trains without a cadence), and runs to the horizon
+    where it matches the uninterrupted run (only the RNG is lost): its verdicts are the whole run's (the
+    matrix above holds them to their words)."""
     result = session["results"][spec_of(ROOT / "fixtures" / "mutants" / f"{mutant}.py")]["resume_fidelity"]
     assert result["outcome"] == "failed", result
     assert result["figures"].get("second_resume_ended_at_micro_batch") == ended_at, result["figures"]

@@ -6,7 +6,8 @@ whose adapter declares `elastic = True` (it keeps the global batch fixed and res
 skips, saying what the guides say.
 
 Runs. At the check's world size W, the dropout-free fit from scratch to n steps, writing its checkpoint at k
-(`ddp_conformance.plan.plan_steps`: k mid-way through the second epoch, n one epoch past it and more); a trainer that
+(`ddp_conformance.plan.plan_steps`: n = 3E + 1, k one batch before the third epoch's end or where the trainer's
+checkpoint cadence allows); a trainer that
 may write again at 2k (`checkpoints_once` False) writes it in a fit of its own to k. Then rank 0 starts, one after the
 other, a group of W/2 ranks (where W > 1) and one of 2W on this host (`resized_groups.py`, through
 torch.distributed.elastic), each rank of which resumes a fresh adapter from that checkpoint to n under a recorder

@@ -3,10 +3,11 @@ deliberately disturbed, ends at step n exactly where an uninterrupted run ends: 
 optimizer state, scheduler state and counters (bitwise on CPU with up to 2 ranks, within 1e-4
 relative beyond: see `tolerance`); and only rank 0 wrote checkpoint files.
 
-Steps. E = optimizer steps in one epoch of the real training loader (a one-step probe fit); k lies
-in the second epoch (mid-epoch, E + E//2 + 1, or where the adapter's declared `checkpoint_every`
-allows: "epoch" or every N steps) and n = max(k + E, 3E + 1), so a resume that restores the position
-but not the epoch shows and the resumed part crosses an epoch boundary. Runs, each a guarded fit
+Steps. E = optimizer steps in one epoch of the real training loader (a one-step probe fit); n = 3E + 1 and k
+lies past the first epoch (one batch before the third epoch's end, 3E - 1, or where the adapter's declared
+`checkpoint_every` allows: "epoch" or every N steps, with n at least k + E), so a resume that restores the
+position but not the epoch shows and the resumed part crosses an epoch boundary (`plan.plan_steps`).
+Runs, each a guarded fit
 (`progress.py`, so a hang is named, not waited out): F = fit(n) writing its checkpoint at k on the
 way, the fit sampler_disjointness judges too (`support/shared_fit.py`: run once for both); R =
 resume(F's checkpoint, n) on a fresh adapter after reseeding every RNG to a rank-specific value (a
@@ -756,12 +757,15 @@ def _fed_shift(ctx: CheckContext, label: str, k: int) -> str:
 
 def _input_offset(full: list[str], again: list[str], before: int) -> int | None:
     """Where in `full` the inputs `again` begin, relative to `before`: of the places where `again`'s
-    first micro-batches (two, or all of `again`) follow in `full`, the one nearest `before` (an epoch
-    that repeats its order matches once an epoch; a resume that re-reads may then cut the epoch short)."""
-    need = min(2, len(again))
-    found = [start for start in range(len(full) - need + 1) if full[start:start + need] == again[:need]]
-    best = min(found, key=lambda start: abs(start - before), default=None)
-    return None if best is None or best == before else best - before
+    first micro-batches (two, or all of `again`) follow in `full`, else its first alone, the one nearest
+    `before` (an epoch that repeats its order matches once an epoch; a resume that re-reads may then cut
+    the epoch short, so that its second micro-batch is already the next epoch's first)."""
+    for need in dict.fromkeys((min(2, len(again)), 1)):
+        found = [start for start in range(len(full) - need + 1) if full[start:start + need] == again[:need]]
+        best = min(found, key=lambda start: abs(start - before), default=None)
+        if best is not None:
+            return None if best == before else best - before
+    return None
 
 
 def _fed_alike(ctx: CheckContext, label: str, k: int) -> bool:

@@ -150,12 +150,14 @@ def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_traine
         epoch: int, cadence: int | str | None) -> None:
     """Counted, not timed: past LONG_EPOCH_STEPS the plan trains at most a constant number of steps (a trainer
     that checkpoints only at epoch ends needs the first one), the checkpoint before the end, the resume at
-    least LONG_EPOCH_STEPS long; up to it, three whole epochs and a step, the checkpoint in the second epoch."""
+    least LONG_EPOCH_STEPS long; up to it, three whole epochs and a step, the checkpoint past the first epoch
+    and the resume across an epoch end: two steps without a cadence, at least an epoch with one."""
     k, n = plan.plan_steps(epoch, cadence)
     long = plan.LONG_EPOCH_STEPS
     assert 0 < k < n
     if plan.whole_epochs(epoch):
-        assert epoch <= long and n >= plan.WHOLE_EPOCHS * epoch + 1 and epoch <= k and n - k >= epoch
+        assert epoch <= long and n >= plan.WHOLE_EPOCHS * epoch + 1 and epoch < k
+        assert n - k == 2 and k + 1 == plan.WHOLE_EPOCHS * epoch if cadence is None else n - k >= epoch
         return
     assert n - k == long
     if cadence == "epoch":
