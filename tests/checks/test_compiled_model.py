@@ -4,6 +4,10 @@ The check reads torch's private per-module hook dicts to name a hook registered 
 and patches inductor's `fallback_random` (a compiled fit draws eager's dropout masks) and `compile_threads`
 (no worker processes): all are guarded here (`config.patch` refuses a key it does not know), so that a torch
 that renames them fails a test instead of the check going quiet.
+
+The check is opt-in, and its matrix (the references, its fixtures and the trainers that compile themselves, in one
+nested session of cold inductor compiles) is the default run's second-longest module: it runs with -m slow, which CI
+runs after the default run on every torch it tests.
 """
 
 from __future__ import annotations
@@ -141,6 +145,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_grouped(tmp_path_factory.mktemp("compiled"), pairs)["results"]
 
 
+@pytest.mark.slow
 def test_the_references_train_the_same_model_compiled_as_eager(session: dict[str, Any]) -> None:
     """compiled_model passes the references, within its fp32 tolerance, and compiled them itself."""
     for spec in REFERENCES:
@@ -150,6 +155,7 @@ def test_the_references_train_the_same_model_compiled_as_eager(session: dict[str
         assert figures["max_rel_delta"] <= figures["tolerance"], figures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FIXTURES, ids=[path.stem for path in FIXTURES])
 def test_each_fixture_is_judged_as_it_declares(session: dict[str, Any], path: Path) -> None:
     """test_suite.py's matrix for this check: the mutants fail with their words, the controls pass, and a fit that
@@ -159,6 +165,7 @@ def test_each_fixture_is_judged_as_it_declares(session: dict[str, Any], path: Pa
     assert_as_declared(path, session[spec_of(path)])
 
 
+@pytest.mark.slow
 def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_trainer_s_model(
         session: dict[str, Any]) -> None:
     """The same layers in two scripts of one session: the first registers its hook after the first forward, the
@@ -169,6 +176,7 @@ def test_a_fit_compiled_earlier_in_the_rank_process_is_not_reused_for_another_tr
     assert second["outcome"] == "passed", second
 
 
+@pytest.mark.slow
 def test_a_machine_without_a_cxx_compiler_is_a_skip_not_the_trainer_s_failure(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))  # inductor's compiler for the CPU (config.cpp.cxx)
@@ -177,6 +185,7 @@ def test_a_machine_without_a_cxx_compiler_is_a_skip_not_the_trainer_s_failure(tm
     assert result["message"].startswith("inductor finds no working C++ compiler on this machine"), result
 
 
+@pytest.mark.slow
 def test_a_trainer_that_compiles_itself_is_compared_with_its_fit_under_force_eager(session: dict[str, Any]) -> None:
     control, mutant = (session[spec]["compiled_model"] for spec in ITSELF)
     if not hasattr(torch.compiler, "set_stance"):
