@@ -32,15 +32,15 @@ OPT_IN: dict[str, str] = {
     # own loops and stock Lightning do, so in the default set it would fail nearly every trainer
     "nonfinite_loss": "judges a guard against a non-finite loss, which most trainers (stock Lightning's loop "
                       "included) do not have",
-    # compiling costs seconds a trainer: 9.5 s (torch reference) and 12.5 s (Lightning's demo transformer) with a cold
-    # inductor cache on the 2-core CPU, half the demo's whole default suite (benchmarks/RESULTS.md)
+    # compiling costs seconds a trainer with a cold inductor cache on a CPU, up to half the demo transformer's whole
+    # default suite (benchmarks/RESULTS.md, "The opt-in compiled_model check")
     "compiled_model": "compiles the model, which costs up to half again the default suite's time on a CPU",
 }
 
 #: the least timeout a check's test gets, whatever `--ddp-timeout` says: the time its scenario needs before a hang
-#: can be told from it. compiled_model's first fit in a fresh environment compiles cold: over 20 s for the torch
-#: reference in CI's fresh virtualenv on the 2-core machine (12.7 s in a warm one), beyond the 20 s the project's
-#: nested sessions give a test to catch hangs fast. elastic_resume waits up to 45 s for each of its two resized groups
+#: can be told from it. compiled_model's first fit in a fresh environment compiles cold, which on a loaded CPU runs
+#: past the 20 s the project's nested sessions give a test to catch hangs fast (benchmarks/RESULTS.md, "Figures the
+#: code's design rests on"). elastic_resume waits up to 45 s for each of its two resized groups
 #: before it calls one hung (`elastic_resume.GROUP_SECONDS`), and the verdict must come before the harness's timeout
 LEAST_TIMEOUT: dict[str, float] = {"compiled_model": 120.0, "elastic_resume": 120.0}
 

@@ -55,8 +55,8 @@ from .resized_rank import DropoutOff, ResizedJob, unsynced_batchnorm
 TOLERANCE = 1e-4
 #: the least and the most time a resized group gets to start its ranks (each imports torch and the trainer) and
 #: resume (4x the stall time between): the check's other ranks wait for rank 0 in a collective meanwhile, within the
-#: process group's timeout (120 s, `DDP_CONFORMANCE_PG_TIMEOUT`), so both groups together stay below it. A group
-#: took 2-5 s on the 2-core machine
+#: process group's timeout (120 s, `DDP_CONFORMANCE_PG_TIMEOUT`), so both groups together stay below it, with room
+#: for a loaded machine (what a group takes: benchmarks/RESULTS.md)
 GROUP_SECONDS = (30.0, 45.0)
 
 

@@ -91,7 +91,8 @@ def _within(x: torch.Tensor, y: torch.Tensor, rtol: float) -> tuple[bool, float 
         return False, float((x.double() - y.double()).abs().max())
     if x.element_size() < 4:  # half types: their deltas would round to 3 digits
         x, y = x.float(), y.float()
-    # in the tensors' own dtype, from the extremes: float64 copies of 58 MB of parameters cost ~0.2 s a rank
+    # in the tensors' own dtype, from the extremes: float64 copies of a large model's parameters cost a rank more
+    # than the comparison (benchmarks/RESULTS.md)
     delta = _largest(x - y) if x.numel() else 0.0
     scale = _largest(x) if x.numel() else 0.0
     return delta <= rtol * scale, delta

@@ -319,7 +319,7 @@ class FitRecorder:
         if grads:
             self.record.grad_steps += 1
             # the smallest first: a bias's gradient answers at once, where an embedding's (mostly zero rows)
-            # was read whole at every step (26 MB, 4 ms, in the demo transformer)
+            # was read whole at every step
             self.record.nonzero_grad_steps += any(nonzero(g) for g in sorted(grads, key=lambda g: g.numel()))
         first = self.record.first_step
         applied = self.record.optimizer_steps - self._skipped

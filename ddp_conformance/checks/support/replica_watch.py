@@ -37,8 +37,8 @@ from .tensor_bytes import readable_bytes
 
 #: no-gradient parameters are digested at the micro-batches of the first optimizer steps, no more
 WATCHED_STEPS = 64
-#: ... up to this many bytes of them (CRC-32 read 64 MB in 27 ms on the 2-core CI machine: here 7 ms a micro-batch
-#: at most, under 0.5 s a fit); an EMA or teacher copy changes in every tensor, so the first ones tell
+#: ... up to this many bytes of them (what reading them costs: benchmarks/RESULTS.md); an EMA or teacher copy changes
+#: in every tensor, so the first ones tell
 FROZEN_BYTES = 16 * 2**20
 #: names kept per change (of the modules in eval mode, of the parameters that changed)
 NAMED = 8

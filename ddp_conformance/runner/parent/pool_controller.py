@@ -29,7 +29,7 @@ from .rank_pool import PoolStartError, RankDevices, RankPool
 from .task_builder import UnpicklableFixture, make_task
 from .verdict import DistributedTestFailure, Verdict, failure_exception, judge, line_repr, prefixed_output
 
-MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (~300 MB)
+MAX_WARM_POOLS = 3  # distinct world sizes kept warm at once; each rank holds a torch import (its RSS: RESULTS.md)
 
 
 @dataclass
