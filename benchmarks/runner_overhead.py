@@ -11,6 +11,9 @@ Columns, per world size:
   warm test    median wall time of one trivial marked test (one all_reduce) on the warm pool
   fresh test   a new group per test: spawn + init + the same test + destroy (MultiProcessTestCase style)
   all_reduce   one all_reduce of a float inside the group (the floor of any distributed test)
+  first test   a fresh pool's first trivial test, whose ranks build pytest's Config as the plugin's ranks do: with
+               the session's installed pytest plugins imported by the fork server (as the plugin starts it), and
+               with each rank importing them itself
 Then: `pytest --collect-only` of 300 plain tests with and without the plugin (the cost where unused).
 Targets on a 2-core machine: warm test at ws 4 <= 5 ms; cold pool <= 1.3x bare spawn.
 """
@@ -27,13 +30,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_conformance.runner.parent.config_recipe import installed_plugins, recipe_of
 from ddp_conformance.runner.parent.fork_server import ForkServer
 from ddp_conformance.runner.parent.rank_pool import RankDevices, RankPool
-from ddp_conformance.runner.wire import DdpPlan, Task
+from ddp_conformance.runner.wire import ConfigRecipe, DdpPlan, Task
 
 TEST_SOURCE = """
 import torch
@@ -68,14 +73,33 @@ def bare_spawn(world_size: int, run_test: bool = False) -> float:
         return time.perf_counter() - began
 
 
-def task(module: Path, name: str, world_size: int) -> Task:
+def task(module: Path, name: str, world_size: int, recipe: ConfigRecipe | None = None) -> Task:
     return Task(nodeid=name, module_path=str(module), module_name="bench_module", qualname=name,
                 funcargs=pickle.dumps({"ddp": DdpPlan(world_size, "gloo")}), sys_path=list(sys.path),
-                cwd=os.getcwd())
+                cwd=os.getcwd(), pytest_config=recipe)
 
 
-def measure(world_size: int, warm_tests: int, module: Path) -> dict[str, float]:
+def first_test(world_size: int, module: Path, config: pytest.Config, plugins: tuple[str, ...]) -> float:
+    """A fresh pool's first test, its ranks building pytest's Config from `config`'s recipe; the fork server
+    imports `plugins` (and torch) before it forks them, off the clock."""
+    fork_server = ForkServer(start_timeout=300, preload=plugins)
+    pool = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1), fork_server=fork_server)
+    try:
+        pool.start()
+        began = time.perf_counter()
+        run = pool.run(task(module, "test_trivial", world_size, recipe_of(config)), 60)
+        elapsed = time.perf_counter() - began
+        assert all(r.outcome == "passed" for r in run.replies.values()), run.replies
+        return elapsed
+    finally:
+        pool.stop()
+        fork_server.close()
+
+
+def measure(world_size: int, warm_tests: int, module: Path, config: pytest.Config) -> dict[str, float]:
     figures: dict[str, float] = {}
+    figures["first"] = first_test(world_size, module, config, installed_plugins(config))
+    figures["first_per_rank"] = first_test(world_size, module, config, ())
     figures["bare"] = statistics.median(bare_spawn(world_size) for _ in range(2))
     exec_pool = RankPool(world_size, "gloo", start_timeout=300, devices=RankDevices(rank_threads=1))
     began = time.perf_counter()
@@ -137,17 +161,21 @@ def main() -> None:
         tmp = Path(tmp_name)
         module = tmp / "bench_module.py"
         module.write_text(TEST_SOURCE)
-        print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 1 thread per rank\n")
+        config = pytest.Config.fromdictargs({}, ["-p", "no:cacheprovider", str(tmp)])  # as a session here loads it
+        print(f"torch {torch.__version__}, {os.cpu_count()} cores, gloo, 1 thread per rank; pytest plugins: "
+              f"{', '.join(installed_plugins(config))}\n")
         header = ("ws", "bare spawn s", "cold pool s", "cold/bare", "rebuild s", "exec pool s", "warm test ms",
-                  "fresh test s", "fresh/warm", "all_reduce ms", "warm/all_reduce")
+                  "fresh test s", "fresh/warm", "all_reduce ms", "warm/all_reduce", "first test s",
+                  "first, plugins per rank s", "per rank/first")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
         for size in args.sizes:
-            f = measure(size, args.warm_tests, module)
+            f = measure(size, args.warm_tests, module, config)
             row = (size, f"{f['bare']:.2f}", f"{f['cold']:.2f}", f"{f['cold'] / f['bare']:.2f}x",
                    f"{f['rebuild']:.2f}", f"{f['exec']:.2f}", f"{f['warm'] * 1e3:.2f}", f"{f['fresh']:.2f}",
                    f"{f['fresh'] / f['warm']:.0f}x",
-                   f"{f['all_reduce'] * 1e3:.2f}", f"{f['warm'] / f['all_reduce']:.1f}x")
+                   f"{f['all_reduce'] * 1e3:.2f}", f"{f['warm'] / f['all_reduce']:.1f}x", f"{f['first']:.2f}",
+                   f"{f['first_per_rank']:.2f}", f"{f['first_per_rank'] / f['first']:.2f}x")
             print("| " + " | ".join(map(str, row)) + " |", flush=True)
         with_plugin, without = collect_cost(tmp)
         print(f"\npytest --collect-only, 300 plain tests: {with_plugin:.2f} s with the plugin, "

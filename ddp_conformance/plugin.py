@@ -17,6 +17,7 @@ import pytest
 from . import marker, options
 from .runner import launched
 from .runner.controller import Controller
+from .runner.parent.config_recipe import installed_plugins
 from .runner.parent.pool_controller import PoolController
 
 pytest_plugins = ["ddp_conformance.suite.report", "ddp_conformance.suite.unbuilt", "ddp_conformance.plan"]
@@ -46,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if by_launcher:
         controller: Controller = launched.LauncherController(settings.runner)
     else:
-        controller = PoolController(settings.runner)
+        controller = PoolController(settings.runner, rank_plugins=installed_plugins(config))
     config.stash[CONTROLLER_KEY] = controller
     preload = options.suite_preload(config)
     if preload is not None:  # the suite's ranks start importing while pytest validates and collects

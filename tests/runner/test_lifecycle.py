@@ -285,11 +285,27 @@ def test_the_fork_server_preloads_dynamo_once_ranks_need_it_and_never_holds_up_a
         fork_server.close()
 
 
+def installed_plugin(pytester: pytest.Pytester, name: str) -> None:
+    """A pytest plugin as pip installs one (a distribution with a pytest11 entry point), on the session's path:
+    its module records which process imported it."""
+    module = f"{name}_plugin"
+    pytester.makepyfile(**{module: "import os\nIMPORTED_BY = os.getpid()\n\ndef pytest_report_header():\n"
+                                    f"    return '{name} loaded'\n"})
+    info = pytester.path / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[pytest11]\n{name} = {module}\n")
+
+
 def test_a_module_the_marker_preloads_is_in_the_ranks_before_their_first_test(pytester: pytest.Pytester) -> None:
     """`preload` reaches the fork server, which imports it before it forks the session's first ranks (the
-    conformance suite preloads torch._dynamo: ~2.4 s of CPU, else paid by every rank)."""
+    conformance suite preloads torch._dynamo: ~2.4 s of CPU, else paid by every rank). So do the installed
+    pytest plugins the session loaded, which every rank's Config loads again, and not one it blocked."""
+    installed_plugin(pytester, "probe")
+    installed_plugin(pytester, "blocked")
     pytester.makepyfile(
         """
+        import os
         import sys
         import pytest
 
@@ -299,9 +315,12 @@ def test_a_module_the_marker_preloads_is_in_the_ranks_before_their_first_test(py
         @pytest.mark.ddp(world_size=2, preload="colorsys")
         def test_the_ranks_start_with_it(ddp):
             assert "colorsys" in sys.modules
+            assert sys.modules["probe_plugin"].IMPORTED_BY == os.getppid() != os.getpid()  # by the fork server
+            assert "blocked_plugin" not in sys.modules
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:blocked")
+    result.stdout.fnmatch_lines(["probe loaded"])
     result.assert_outcomes(passed=2)
 
 

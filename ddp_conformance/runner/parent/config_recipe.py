@@ -62,6 +62,15 @@ def _rank_args(config: pytest.Config) -> tuple[str, ...]:
     return (*args, *_RANK_ARGS, "--", *(str(arg) for arg in config.option.file_or_dir or ()))
 
 
+def installed_plugins(config: pytest.Config) -> tuple[str, ...]:
+    """The modules of the plugins the parent loaded from installed distributions (pytest11 entry points, less
+    what `-p no:` blocked). Each rank's Config loads the same ones (`_rank_args`) before its first test: the fork
+    server ranks are forked from imports them once, not every rank of every pool (benchmarks/RESULTS.md, "first
+    test")."""
+    names = (getattr(plugin, "__name__", None) for plugin, _ in config.pluginmanager.list_plugin_distinfo())
+    return tuple(dict.fromkeys(name for name in names if isinstance(name, str)))
+
+
 def conftests_of(config: pytest.Config, path: Path) -> tuple[str, ...]:
     """The conftest files the parent loaded that apply to `path` (those in its directory or above),
     found once per directory: tests run after collection has loaded every conftest."""

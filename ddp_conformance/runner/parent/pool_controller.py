@@ -47,8 +47,11 @@ PLAN_KEY = pytest.StashKey[DdpPlan]()
 class PoolController:
     """Spawned mode: marked tests run on warm rank pools this process starts and owns."""
 
-    def __init__(self, settings: RunnerSettings) -> None:
+    def __init__(self, settings: RunnerSettings, rank_plugins: tuple[str, ...] = ()) -> None:
+        """`rank_plugins`: the pytest plugin modules every rank's Config loads (`config_recipe.installed_plugins`),
+        which the fork server imports for them."""
         self.settings = settings
+        self.rank_plugins = rank_plugins
         self._previous_sigterm: tuple[Any] | None = None  # (handler,) once ours is installed
         self._active = False
         self.pools: OrderedDict[tuple[int, str], RankPool] = OrderedDict()
@@ -196,7 +199,8 @@ class PoolController:
             self._fork_server = None
         if self._fork_server is None and not self._fork_server_failed:
             try:
-                self._fork_server = ForkServer(start_timeout=self.settings.start_timeout, preload=self.preload)
+                self._fork_server = ForkServer(start_timeout=self.settings.start_timeout,
+                                               preload=(*self.preload, *self.rank_plugins))
             except OSError:
                 self._fork_server_failed = True
         return self._fork_server
