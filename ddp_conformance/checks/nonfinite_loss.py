@@ -50,7 +50,7 @@ from .support.check_context import CheckContext, CheckFailed, all_gather, hide_o
 from .support.digests import step_digest
 from .support.loader_watch import children, rebuilt
 from .support.observe import unwrapped
-from .support.progress import POLL_SECONDS, PeerFitFailed, guarded_fit, read_all
+from .support.progress import POLL_SECONDS, PeerFitFailed, all_ended, guarded_fit, read_all
 
 STEPS = 3
 POISONED_STEP = 2  # not the first: DDP's first iteration is special (bucket rebuild, static graph's first pass)
@@ -176,12 +176,13 @@ def run(ctx: CheckContext) -> dict[str, Any]:
 def _every_rank_raised(ctx: CheckContext) -> bool:
     """Whether every rank's guarded fit ended in an error, read from the ranks' progress files (no collective):
     waited for as long as a fit in which no rank has stopped is given, since a rank that raises later is
-    stopping too (Lightning 2.5 on torch 2.4 took seconds to end a fit that raised on every rank)."""
+    stopping too (Lightning 2.5 on torch 2.4 took seconds to end a fit that raised on every rank), or until a rank
+    that did not raise gives the stall verdict (it waits in DDP's collectives for this one)."""
     deadline = time.monotonic() + 4 * ctx.stall_after
     directory = ctx.workdir / "progress" / LABEL
     while True:
         progress = read_all(directory, ctx.world_size)
-        if all(p is not None and p.stopped for p in progress):
+        if all_ended(directory, progress):
             return all(p is not None and p.state == "error" for p in progress)
         if time.monotonic() > deadline:
             return False

@@ -113,6 +113,8 @@ class ProgressObserver(FitObserver):
         self._lock = threading.Lock()  # events (the fit's thread) against flush (the watcher's)
         self._last: StepInfo | None = None  # as a dict only when written
         self._written = -1
+        self.hung_path = path.with_suffix(".hung")
+        self.hung_path.unlink(missing_ok=True)  # a former fit's, in a rebuilt pool
         self.flush()
 
     def _moved(self, **changes: Any) -> None:
@@ -158,6 +160,13 @@ class ProgressObserver(FitObserver):
         number moves, so the hang watchdog waits, and no micro-batch is counted."""
         self._moved()
 
+    def declare_hung(self) -> None:
+        """This rank's watcher gives the stall verdict, its fit's thread left blocked in a collective: a rank
+        that waits for every rank's fit to end (`all_ended`) counts this one as ended, where it would otherwise
+        wait for a fit that never ends. A file of its own, not the progress file: the other watchers would read
+        a change there as progress, and wait a stall window more."""
+        self.hung_path.touch()
+
     def end(self, error: BaseException | None, extra: dict[str, Any] | None = None) -> None:
         self._moved(state="error" if error is not None else "done", extra=extra or {},
                     error=f"{type(error).__name__}: {error}".splitlines()[0][:300] if error is not None else "")
@@ -183,6 +192,11 @@ class LossTap(FitObserver):
 
     def stop_requested(self) -> bool:
         return self.inner is not None and self.inner.stop_requested()
+
+
+def all_ended(directory: Path, progress: list[Progress | None]) -> bool:
+    """Whether every rank's fit ended: done, raised, or declared hung by its own watcher (`declare_hung`)."""
+    return all(p is not None and (p.stopped or (directory / f"rank{p.rank}.hung").exists()) for p in progress)
 
 
 def read_all(directory: Path, world_size: int) -> list[Progress | None]:
@@ -465,6 +479,7 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
                      else min(ctx.stall_after, PARTED_STALL) if parted
                      else ctx.stall_after if some_stopped or blocked else 4 * ctx.stall_after)
         if idle >= threshold:
+            observer.declare_hung()
             ctx.ddp.mark_group_unusable(f"a conformance fit hung ({ctx.check_id}); a thread is blocked")
             raise ctx.fail(stall_verdict(progress, threshold, steps, *_located(own_record, progress, ctx.world_size)),
                            hung=True)
