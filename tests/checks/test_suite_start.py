@@ -137,7 +137,9 @@ def pytest_collection_finish(session):
 """
 
 
-@pytest.mark.parametrize("spawn", ["fork", "exec"])
+# exec'd ranks are the fallback (no fork, or DDP_CONFORMANCE_SPAWN=exec): their variant, whose pytest imports
+# Lightning itself, runs with -m slow
+@pytest.mark.parametrize("spawn", ["fork", pytest.param("exec", marks=pytest.mark.slow)])
 def test_a_spec_is_resolved_where_the_ranks_imports_are_and_a_bad_one_is_still_one_usage_line(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, spawn: str) -> None:
     """A SPEC that imports code (here Lightning's, ~4 s of CPU) is resolved in a process the fork server forks,

@@ -67,6 +67,7 @@ def test_a_long_test_shows_rank_0_s_status_with_its_name_and_a_short_one_none(
     assert not list(session_tmpdir.iterdir())  # nothing left behind: the pools' directories went
 
 
+@pytest.mark.slow  # a 6.5 s test on purpose; test_under_q_only_long_work_shows judges the same rule in-process
 def test_under_q_a_test_shorter_than_the_quiet_threshold_shows_nothing(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(TESTS)
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
