@@ -124,12 +124,17 @@ def _harness(frames: list[tuple[str, int, str]]) -> bool:
     return bool(outside_torch) and outside_torch[0][0].startswith(_HARNESS_DIRS)
 
 
+def record_path(directory: Path, rank: int) -> Path:
+    """Where a rank of a fit dumps its collectives, beside its progress file."""
+    return directory / f"rank{rank}.collectives.json"
+
+
 def read_all(directory: Path, world_size: int) -> list[list[Collective] | None]:
     """Every rank's dump in `directory`, None for a rank that wrote none."""
     found: list[list[Collective] | None] = []
     for rank in range(world_size):
         try:
-            raw = json.loads((directory / f"rank{rank}.collectives.json").read_text())
+            raw = json.loads(record_path(directory, rank).read_text())
             found.append([Collective(**entry) for entry in raw])
         except (OSError, ValueError, TypeError):
             found.append(None)

@@ -113,7 +113,7 @@ class ProgressObserver(FitObserver):
         self._lock = threading.Lock()  # events (the fit's thread) against flush (the watcher's)
         self._last: StepInfo | None = None  # as a dict only when written
         self._written = -1
-        self.hung_path = path.with_suffix(".hung")
+        self.hung_path = hung_marker(path.parent, rank)
         self.hung_path.unlink(missing_ok=True)  # a former fit's, in a rebuilt pool
         self.flush()
 
@@ -196,14 +196,24 @@ class LossTap(FitObserver):
 
 def all_ended(directory: Path, progress: list[Progress | None]) -> bool:
     """Whether every rank's fit ended: done, raised, or declared hung by its own watcher (`declare_hung`)."""
-    return all(p is not None and (p.stopped or (directory / f"rank{p.rank}.hung").exists()) for p in progress)
+    return all(p is not None and (p.stopped or hung_marker(directory, p.rank).exists()) for p in progress)
+
+
+def progress_path(directory: Path, rank: int) -> Path:
+    """A rank's progress file in a fit's directory, which every rank's watcher reads (`read_all`)."""
+    return directory / f"rank{rank}.json"
+
+
+def hung_marker(directory: Path, rank: int) -> Path:
+    """The file a rank's watcher touches as it gives the stall verdict (`ProgressObserver.declare_hung`)."""
+    return directory / f"rank{rank}.hung"
 
 
 def read_all(directory: Path, world_size: int) -> list[Progress | None]:
     found: list[Progress | None] = []
     for rank in range(world_size):
         try:
-            found.append(Progress(**json.loads((directory / f"rank{rank}.json").read_text())))
+            found.append(Progress(**json.loads(progress_path(directory, rank).read_text())))
         except (OSError, ValueError, TypeError):
             found.append(None)
     return found
@@ -294,7 +304,7 @@ def guarded_fit(ctx: CheckContext, label: str, steps: int, call: Callable[[FitOb
     ctx.figures.setdefault("fits", {})[label] = steps  # what the check trained, held to its plan (`plan.py`)
     directory = ctx.workdir / "progress" / label
     directory.mkdir(parents=True, exist_ok=True)
-    observer = ProgressObserver(directory / f"rank{ctx.rank}.json", ctx.rank, inner)
+    observer = ProgressObserver(progress_path(directory, ctx.rank), ctx.rank, inner)
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -434,7 +444,7 @@ def _watch(ctx: CheckContext, observer: ProgressObserver, thread: threading.Thre
     seen: list[int] = []
     last_change = time.monotonic()
     beat = RunnableBeat()
-    own_record = observer.path.with_name(f"rank{observer.progress.rank}.collectives.json")
+    own_record = collectives.record_path(observer.path.parent, observer.progress.rank)
     recorded = False  # this rank's collectives dumped in the present stall
     while True:
         thread.join(POLL_SECONDS)
