@@ -50,6 +50,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,12 @@ class Row:
     plain: Finished | None = None
     fit_seconds: float | None = None
     problems: list[str] = field(default_factory=list)
+    label: str = ""  # what tells rows of one trainer apart in the tables (epoch_sweep's epoch length)
 
     @property
     def name(self) -> str:
-        return self.spec.rpartition(":")[2] if self.spec.startswith("lightning:") else self.spec
+        name = self.spec.rpartition(":")[2] if self.spec.startswith("lightning:") else self.spec
+        return f"{name} ({self.label})" if self.label else name
 
     @property
     def in_pytest(self) -> float | None:
@@ -177,12 +180,12 @@ def write_demo_data(workdir: Path) -> None:
     (data / "wikitext-2.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def run_suite(row: Row, workdir: Path, timeout: float) -> None:
+def run_suite(row: Row, workdir: Path, timeout: float, options: Sequence[str] = ()) -> None:
     report = workdir / "report.json"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={workdir / 'tmp'}",
                "--durations=0", "--durations-min=0",
                "--pyargs", "ddp_conformance.suite", "--ddp-trainer", row.spec,
-               "--ddp-world-size", str(row.world_size), f"--ddp-report={report}"]
+               "--ddp-world-size", str(row.world_size), f"--ddp-report={report}", *options]
     row.suite = run(command, workdir, timeout)
     if report.is_file():
         row.report = json.loads(report.read_text())
@@ -198,12 +201,13 @@ def resume_horizon(row: Row) -> int | None:
     return None
 
 
-def run_plain(row: Row, workdir: Path, timeout: float) -> None:
+def run_plain(row: Row, workdir: Path, timeout: float, options: Sequence[str] = ()) -> None:
     assert row.steps is not None
     fit_dir = workdir / "plain"
     fit_dir.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(row.world_size), str(PLAIN_FIT), row.spec, "--steps", str(row.steps), "--workdir", str(fit_dir)]
+               str(row.world_size), str(PLAIN_FIT), row.spec, "--steps", str(row.steps), "--workdir", str(fit_dir),
+               *options]
     row.plain = run(command, workdir, timeout)
     for line in row.plain.stdout.splitlines():
         if line.startswith('{"fit_seconds"'):
@@ -212,19 +216,22 @@ def run_plain(row: Row, workdir: Path, timeout: float) -> None:
         row.problems.append(f"the plain fit failed (exit {row.plain.returncode}):\n{row.plain.tail()}")
 
 
-def measure(spec: str, world_size: int, timeout: float) -> Row:
+def measure(spec: str, world_size: int, timeout: float, suite_options: Sequence[str] = (),
+            plain_options: Sequence[str] = ()) -> Row:
+    """The suite, then the plain fit to its resume horizon; `suite_options` and `plain_options` give both the
+    same settings (a precision, a device) each in its own words."""
     row = Row(spec, world_size, os.getloadavg()[0])
     with tempfile.TemporaryDirectory(prefix="suite-cost-") as tmp:
         workdir = Path(tmp)
         if spec == DEMO:
             write_demo_data(workdir)
-        run_suite(row, workdir, timeout)
+        run_suite(row, workdir, timeout, suite_options)
         row.steps = resume_horizon(row)
         if row.steps is None:
             if row.report is not None:
                 row.problems.append("resume_fidelity reported no final_step: no resume horizon to fit to")
             return row
-        run_plain(row, workdir, timeout)
+        run_plain(row, workdir, timeout, plain_options)
     return row
 
 
