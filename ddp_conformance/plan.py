@@ -27,6 +27,10 @@ WHOLE_EPOCHS = 3
 LONG_EPOCH_STEPS = 24
 #: optimizer steps of the dropout-free fit several checks share, and of each check's own short fits
 STEADY_STEPS = 3
+#: the steps a resume trains past its checkpoint where it need not reach an epoch end (`plan_steps`): every way a
+#: resume loses state parts it from the uninterrupted run in the first step, and a position restored once but not
+#: at the next epoch (where the resume crosses one) in the second
+RESUMED_STEPS = 2
 
 
 def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
@@ -34,7 +38,7 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
     three whole epochs (3E + 1), so one fit serves both. The checkpoint lies past the first epoch, so a
     resume that restores the position but not the epoch shows, and the resumed part crosses an epoch
     boundary. Without a declared cadence k = 3E - 1, one batch before the third epoch's end: the resume
-    trains that epoch's last batch and the next epoch's first, two steps whatever the epoch's length
+    trains that epoch's last batch and the next epoch's first, RESUMED_STEPS whatever the epoch's length
     (a resume that restores anything wrongly parts from the uninterrupted run in its first step; one that
     restores the position once but not at the next epoch, in its second). A trainer that checkpoints only
     at epoch ends (`checkpoint_every = "epoch"`) gets k = 2E, one that checkpoints every N steps the
@@ -42,8 +46,9 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
 
     An epoch longer than LONG_EPOCH_STEPS (`whole_epochs` False) is not trained whole: k is the first
     step the trainer can checkpoint at past LONG_EPOCH_STEPS (mid-way through the first epoch, without a
-    cadence) and n = k + LONG_EPOCH_STEPS, so that the steps do not grow with the epoch; a trainer that
-    checkpoints only at epoch ends still needs the first one (k = E)."""
+    cadence) and n = k + RESUMED_STEPS, so that the steps do not grow with the epoch; a trainer that
+    checkpoints only at epoch ends still needs the first one (k = E). Within an epoch no epoch end is left to
+    cross, so a longer resume would judge nothing more: the first step shows what the checkpoint lost."""
     if not whole_epochs(epoch):
         return _plan_within_an_epoch(epoch, cadence)
     last = WHOLE_EPOCHS * epoch + 1
@@ -52,7 +57,7 @@ def plan_steps(epoch: int, cadence: int | str | None) -> tuple[int, int]:
     elif isinstance(cadence, int) and cadence > 0:
         k = cadence * math.ceil((epoch + 1) / cadence)
     else:
-        return last - 2, last
+        return last - RESUMED_STEPS, last
     return k, max(k + epoch + (epoch // 2 if cadence == "epoch" else 0), last)
 
 
@@ -68,7 +73,7 @@ def _plan_within_an_epoch(epoch: int, cadence: int | str | None) -> tuple[int, i
         k = cadence * math.ceil((LONG_EPOCH_STEPS + 1) / cadence)
     else:
         k = LONG_EPOCH_STEPS + 1
-    return k, k + LONG_EPOCH_STEPS
+    return k, k + RESUMED_STEPS
 
 
 def longest_planned_fit(cadence: int | str | None = None) -> int | None:
@@ -175,7 +180,7 @@ def header_lines(checks: tuple[str, ...], trainers: int, world_size: int, max_st
     lines = [f"ddp-conformance plan: {len(checks)} checks x {trainers} trainer(s) at world size {world_size}; "
              f"fits checks share run once per trainer ({', '.join(shared) or 'none'}); the longest fit trains "
              f"at most {longest} optimizer steps whatever the epoch's length (at most the epoch and "
-             f"{LONG_EPOCH_STEPS} more for a trainer that checkpoints only at epoch ends)"]
+             f"{RESUMED_STEPS} more for a trainer that checkpoints only at epoch ends)"]
     if max_steps is not None:
         over = [check for check in checks if (most_steps(check) or math.inf) > max_steps]
         lines.append(f"  --ddp-max-steps {max_steps}: " + (f"{', '.join(over)} skip where a fit needs more"
@@ -184,7 +189,7 @@ def header_lines(checks: tuple[str, ...], trainers: int, world_size: int, max_st
         return [*lines, "  (-v lists each check's fits)"] if checks else lines
     lines.append(f"  E: the epoch in optimizer steps (the probe measures it); k, n: the checkpoint and last step of "
                  f"the long fit: k = 3E - 1 and n = 3E + 1 up to E = {LONG_EPOCH_STEPS}, past it "
-                 f"k = {LONG_EPOCH_STEPS + 1} and n = k + {LONG_EPOCH_STEPS} (a checkpoint cadence moves k)")
+                 f"k = {LONG_EPOCH_STEPS + 1} and n = k + {RESUMED_STEPS} (a checkpoint cadence moves k)")
     width = max(map(len, checks), default=0)
     lines += [f"  {check:<{width}}  " + "; ".join(fit.describe() for fit in CHECK_FITS[check]) for check in checks]
     return lines

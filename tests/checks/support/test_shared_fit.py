@@ -149,8 +149,8 @@ def test_rank_participation_s_fit_is_the_dropout_free_fit_where_the_config_has_n
 def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_trained_whole(
         epoch: int, cadence: int | str | None) -> None:
     """Counted, not timed: past LONG_EPOCH_STEPS the plan trains at most a constant number of steps (a trainer
-    that checkpoints only at epoch ends needs the first one), the checkpoint before the end, the resume at
-    least LONG_EPOCH_STEPS long; up to it, three whole epochs and a step, the checkpoint past the first epoch
+    that checkpoints only at epoch ends needs the first one), the checkpoint past LONG_EPOCH_STEPS and the
+    resume RESUMED_STEPS long; up to it, three whole epochs and a step, the checkpoint past the first epoch
     and the resume across an epoch end: two steps without a cadence, at least an epoch with one."""
     k, n = plan.plan_steps(epoch, cadence)
     long = plan.LONG_EPOCH_STEPS
@@ -159,12 +159,12 @@ def test_the_shared_fit_s_steps_stop_following_the_epoch_past_the_longest_traine
         assert epoch <= long and n >= plan.WHOLE_EPOCHS * epoch + 1 and epoch < k
         assert n - k == 2 and k + 1 == plan.WHOLE_EPOCHS * epoch if cadence is None else n - k >= epoch
         return
-    assert n - k == long
+    assert n - k == plan.RESUMED_STEPS
     if cadence == "epoch":
         assert k == epoch
     else:
-        assert k <= (cadence if isinstance(cadence, int) else 1) * (long + 1) + long
-        assert n <= 2 * long + 1 + (cadence if isinstance(cadence, int) else 0)
+        assert long < k <= long + (cadence if isinstance(cadence, int) else 1)
+        assert n <= long + plan.RESUMED_STEPS + (cadence if isinstance(cadence, int) else 1)
 
 
 def test_the_longest_epoch_trained_whole_costs_what_any_longer_one_costs_at_most() -> None:
