@@ -5,7 +5,8 @@ harness's config says: the config's `trainer.precision` is a claim, not an obser
 runs, `AmpWatch` records:
 
 - at each training micro-batch (the recorder's `_micro_batch`, or its own forward hook when used
-  alone): whether autocast was on for the model's device and its dtype, and the parameters' dtype;
+  alone): whether autocast was on for the model's device where the model computes (inside its forward,
+  where accelerate enters it) and its dtype, and the parameters' dtype;
 - every `GradScaler.scale` of an enabled scaler, with the scale it multiplied by; every `unscale_`, and
   every `GradScaler.step`, whether the optimizer stepped (a skipped step: its scaled gradients held
   inf or NaN);
@@ -38,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 #: clippings kept until an optimizer steps their parameters (a loop clips once an iteration)
 KEPT_CLIPS = 64
+_UNREAD = object()  # no autocast state was read inside the micro-batch's forward
 #: the precision names of a run under autocast, by autocast dtype
 MIXED = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
 #: the precision names of a run without autocast, by the parameters' dtype
@@ -157,6 +159,8 @@ class AmpWatch:
         self._clips: list[_Clip] = []
         self._local = threading.local()
         self._fired = False
+        self._pending: tuple[str, str, torch.dtype | None] | None = None  # a micro-batch whose state is unread
+        self._hooked: set[int] = set()  # models whose computing module `_inside` watches
 
     def __enter__(self) -> AmpWatch:
         self._stack.callback(register_optimizer_step_pre_hook(self._on_step).remove)
@@ -173,6 +177,7 @@ class AmpWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._count_pending()
         self._stack.close()
         for clip in self._clips:  # no optimizer stepped them (a step's restatement): scaled by any optimizer's
             if not clip.judged and clip.scaled is not None and clip.scaled[1] > 1 and all(
@@ -189,17 +194,38 @@ class AmpWatch:
 
     # --- micro-batches ---------------------------------------------------------------------------
 
-    def micro_batch(self, model: Any) -> None:
-        """A training micro-batch's forward begins: the autocast state for the model's device, now."""
+    def micro_batch(self, model: Any, inside: bool = True) -> None:
+        """A training micro-batch's forward begins. Its autocast state is the one in force where the model
+        computes: read as the module holding its first parameter starts (`_inside`), since a wrapper can enter
+        autocast inside the forward (accelerate's `prepare` wraps the model's own forward in autocast, under
+        DDP's); the state now, at the outermost forward, stands in if that module never runs, or where no
+        module but the model may be hooked (`inside` False: a forward torch.compile traces)."""
+        self._count_pending()
         param = next(iter(model.parameters()), None)
         device_type = param.device.type if param is not None else "cpu"
-        dtype = autocast_state(device_type)
-        key = (str(dtype).removeprefix("torch.") if dtype is not None else "off",
-               str(param.dtype).removeprefix("torch.") if param is not None else "float32")
+        self._pending = (device_type, str(param.dtype).removeprefix("torch.") if param is not None else "float32",
+                         autocast_state(device_type))
         record = self.record
         record.micro_batches += 1
         record.device_type = record.device_type or device_type
-        record.states[key] = record.states.get(key, 0) + 1
+        if inside and param is not None and id(model) not in self._hooked:
+            self._hooked.add(id(model))
+            owner = next(m for m in model.modules() if any(p is param for p in m.parameters(recurse=False)))
+            self._stack.callback(owner.register_forward_pre_hook(self._inside).remove)
+
+    def _inside(self, _module: Any, _args: Any) -> None:
+        if self._pending is not None:
+            self._count_pending(autocast_state(self._pending[0]))
+
+    def _count_pending(self, inside: Any = _UNREAD) -> None:
+        """Count the pending micro-batch under the state read inside its forward, else the one at its start."""
+        if self._pending is None:
+            return
+        _device, params, outer = self._pending
+        self._pending = None
+        dtype = outer if inside is _UNREAD else inside
+        key = (str(dtype).removeprefix("torch.") if dtype is not None else "off", params)
+        self.record.states[key] = self.record.states.get(key, 0) + 1
 
     def _watch_forwards(self) -> None:
         def before(module: Any, _args: Any) -> None:

@@ -205,7 +205,7 @@ class FitRecorder:
                 record.ddp["comm_hook"] = comm_hook_name(model)
             record.synced.append(bool(model.require_backward_grad_sync))
         self._loaders.micro_batch(inputs)
-        self._amp.micro_batch(model)
+        self._amp.micro_batch(model, inside=not self._model_hooks_only)
         self._mark_rng(first)
         self._replicas.micro_batch(model, unwrapped(model), record.optimizer_steps, record.micro_batches, trainer_name)
         record.micro_batches += 1

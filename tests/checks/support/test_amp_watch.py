@@ -99,6 +99,44 @@ def test_the_precision_is_the_autocast_the_forwards_ran_under(dtype: torch.dtype
     assert record.clips == 2 and not record.clipped_scaled and not record.scaled_steps
 
 
+class _Wrapper(nn.Module):
+    """What DDP is to the model it wraps: an outer module whose forward calls the model's."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _autocast_inside(dtype: torch.dtype, enabled: bool = True) -> nn.Module:
+    """accelerate's `prepare` under mixed precision: the model's own forward wrapped in autocast (an instance
+    attribute, as `model.forward = autocast(...)(model.forward)`), then the model wrapped in DDP; autocast is
+    entered after the outer forward began, inside the model's."""
+    model = _model()
+    model.forward = torch.autocast("cpu", dtype=dtype, enabled=enabled)(model.forward)
+    return _Wrapper(model)
+
+
+@pytest.mark.parametrize("recorder", [False, True], ids=["alone", "recorder"])
+def test_autocast_entered_inside_the_model_s_forward_is_the_precision_it_ran_at(recorder: bool) -> None:
+    """The state is read where the model computes: a run whose wrapper enters autocast inside the forward is not
+    taken for fp32, and a model that turns autocast off inside its forward is not taken for bf16."""
+    x, y = _batch()
+    for wrapped, outer, precision in [(_autocast_inside(torch.bfloat16), False, "bf16-mixed"),
+                                      (_autocast_inside(torch.bfloat16, enabled=False), True, "32-true")]:
+        with (FitRecorder() if recorder else AmpWatch(forwards=True)) as watching:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=outer):
+                    F.cross_entropy(wrapped(x), y).backward()
+        record = watching.record.amp if recorder else watching.record
+        assert record.micro_batches == 2 and record.precision == precision, record
+        assert record.described() == ("cpu autocast to bfloat16 at every one of its 2 training micro-batches"
+                                      if precision == "bf16-mixed" else
+                                      "no autocast at any of its 2 training micro-batches")
+
+
 def test_a_model_cast_to_half_without_autocast_is_a_true_half_precision() -> None:
     record = AmpRecord()
     record.micro_batches, record.states = 3, {("off", "bfloat16"): 3}
