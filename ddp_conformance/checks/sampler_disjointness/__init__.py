@@ -83,7 +83,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         size = complete[0].dataset_size
         assert size is not None  # a map-style dataset: it has indices
         drawn, size = _within_the_universe(ctx, complete, size)
-        figures = _judge(ctx, drawn, size, _shuffles(ctx, complete), complete[0].sampler, complete[0].tail)
+        figures = _judge(ctx, drawn, size, _shuffles(ctx, complete), complete[0].sampler, complete[0].tail,
+                         complete[0].share)
         figures.update(indices_from="the fit", scheme="partition")
         _cross_check(ctx, complete, figures)
     _judge_started(ctx, later, judged, figures)
@@ -152,17 +153,17 @@ def _judge_started(ctx: CheckContext, later: list[Any], first: int, figures: dic
     no two ranks may be fed the same samples there either, whatever loader the fit built for them."""
     __tracebackhide__ = hide_on_verdict
     mine = [(p.base_size or p.dataset_size, p.sampler, [i for b in p.base_batches() for i in b] if p.indexed else None,
-             p.inputs, _draws_with_replacement(p)) for p in later]
+             p.inputs, _draws_with_replacement(p), p.share) for p in later]
     everyone = all_gather(mine)
     judged = {key: value for key, value in figures.items() if key != "summary"}  # the complete epochs' summary
     for offset in range(min(map(len, everyone))):
         epoch = first + offset
-        size, sampler, _, _, _ = everyone[0][offset]
+        size, sampler, _, _, _, share = everyone[0][offset]
         drawn = [ranks[offset][2] for ranks in everyone]
         inputs = [ranks[offset][3] for ranks in everyone]
         replacement = any(ranks[offset][4] for ranks in everyone)
         if all(d is not None for d in drawn) and size is not None and not replacement:
-            verdict = analyse_started_epoch(drawn, size, epoch, sampler)
+            verdict = analyse_started_epoch(drawn, size, epoch, sampler, share)
             if not verdict.ok:
                 raise ctx.fail(verdict.diagnosis, **{**judged, **verdict.figures})
         elif None not in (digest for fed in inputs for digest in fed):
@@ -191,11 +192,12 @@ def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
 
 
 def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool,
-           sampler: str = "DistributedSampler", tail: int = 0) -> dict[str, Any]:
+           sampler: str = "DistributedSampler", tail: int = 0, share: int | None = None) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     gathered = all_gather(mine)
     epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(mine))]
-    verdict = analyse(epochs, size, shuffle, sampler, max(all_gather(tail)))
+    shares = {found for found in all_gather(share) if found is not None}
+    verdict = analyse(epochs, size, shuffle, sampler, max(all_gather(tail)), max(shares) if shares else None)
     figures = dict(verdict.figures)
     if not shuffle:
         ctx.note("the loader does not shuffle: the order across epochs is not judged")

@@ -34,6 +34,7 @@ class LoaderPass:
     batches: list[list[int]] = field(default_factory=list)
     indexed: bool = False  # batches came from a batch sampler as lists of ints, so they are dataset indices
     tail: int = 0  # samples a BatchSampler(drop_last=True) leaves out at the end of each epoch's share
+    share: int | None = None  # samples each rank draws an epoch where a shard pads whole batches itself
     # a loader over a Subset (a rank's own shard, a curriculum stage, a random_split): `batches` are the
     # Subset's own indices; `index_map` maps them to the underlying dataset's (`base_size` samples),
     # and `universe` (sorted) is the part of it the Subset holds

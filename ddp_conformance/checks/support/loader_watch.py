@@ -313,6 +313,7 @@ def _new_pass(loader: Any) -> LoaderPass:
                       shuffle=bool(shuffle) if isinstance(shuffle, bool) else _shuffles(sampler),
                       replacement=bool(replacement) if isinstance(replacement, bool) else None,
                       iterable=isinstance(dataset, IterableDataset), tail=dropped_tail(batch_sampler),
+                      share=loader_wrappers.padded_share(batch_sampler),
                       wrappers=loader_wrappers.described(batch_sampler),
                       universe=sorted(set(index_map)) if index_map is not None else None, index_map=index_map,
                       base_size=_length(base) if index_map is not None else None, dataset=dataset)

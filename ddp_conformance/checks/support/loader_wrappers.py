@@ -125,6 +125,29 @@ def dropped_tail(batch_sampler: Any, plain: type) -> int:
     return max(0, size // processes - batches * per_batch)
 
 
+def padded_share(batch_sampler: Any) -> int | None:
+    """The samples each rank draws an epoch where a BatchSamplerShard evens the ranks' batches itself
+    (`even_batches`, over a BatchSampler that keeps its last batch): it completes the last batch, and adds
+    batches until every process has as many, from the epoch's first samples. That is whole batches, not
+    DistributedSampler's single samples: at world size 2 and batch size 4, 187 samples give each rank 96, 5
+    repeats. None where no such shard pads (DistributedSampler's rule applies)."""
+    links = chain(batch_sampler)
+    base = links[-1]
+    sharded = next((link for link in links if _process_of(link) is not None and link is not base), None)
+    size = getattr(base, "batch_size", None)
+    if sharded is None or not getattr(sharded, "even_batches", False) or getattr(base, "drop_last", True) \
+            or not isinstance(size, int):
+        return None
+    _, processes = _process_of(sharded)  # type: ignore[misc]
+    try:
+        batches = len(base)
+    except TypeError:
+        return None
+    if getattr(sharded, "split_batches", False):
+        return batches * (size // processes)
+    return -(-batches // processes) * size
+
+
 def reading_ahead(loader: Any, depth: int = 4) -> Any:
     """The wrapper whose `__iter__` is iterating `loader` right now (accelerate's DataLoaderShard keeps it as its
     `base_dataloader` and reads it one batch ahead of what it yields), found among the callers' frames; None when

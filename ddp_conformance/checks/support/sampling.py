@@ -50,10 +50,25 @@ def _sample(values: Sequence[int], limit: int = 5) -> str:
     return shown + (", ..." if len(values) > limit else "")
 
 
-def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0) -> SamplingVerdict:
+def padded_share(dataset_size: int, world: int, share: int | None = None) -> tuple[int, int]:
+    """(samples per rank, repeats the padding adds) of a padded epoch: DistributedSampler's ceil(N/R) each,
+    or `share`, what a sharding that pads whole batches gives each rank (`loader_wrappers.padded_share`)."""
+    per_rank = share if share is not None else (math.ceil(dataset_size / world) if world else 0)
+    return per_rank, per_rank * world - dataset_size
+
+
+def _padding_words(share: int | None) -> str:
+    return ("DistributedSampler's padding" if share is None else
+            "the sharding's padding (whole batches from the epoch's start, accelerate's even_batches)")
+
+
+def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0,
+                  share: int | None = None) -> SamplingVerdict:
     """One epoch: disjointness (up to padding), coverage (up to the dropped tail), equal batches.
     `tail`: the samples the loader itself leaves out at the end of each rank's share
-    (`DataLoader(drop_last=True)`: its last, incomplete batch), which no rank draws."""
+    (`DataLoader(drop_last=True)`: its last, incomplete batch), which no rank draws; `share`: the samples
+    each rank draws where the sharding pads whole batches (accelerate's BatchSamplerShard), not
+    DistributedSampler's single ones."""
     world = len(ranks)
     seqs = [_flat(b) for b in ranks]
     counts = [len(s) for s in seqs]
@@ -69,13 +84,12 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0) ->
     union = set().union(*map(set, seqs)) if seqs else set()
     duplicates = total - len(union)
     missing = n - len(union)
-    padded = math.ceil(n / world) if world else 0
+    padded, padding = padded_share(n, world, share)
     dropped = n // world if world else 0
     figures.update(padding_duplicates=duplicates, uncovered=missing)
     if all(c == 0 for c in counts):
         return SamplingVerdict(False, f"no rank receives any sample (dataset of {n}, world size {world}): "
                                       "the loaders are empty", figures)
-    padding = padded * world - n
     # a share with its loader's tail left out: any padding repeats may be in that tail
     valid_padded = duplicates <= padding and all(c == padded - tail for c in counts)
     valid_dropped = duplicates == 0 and all(c == dropped - tail for c in counts)
@@ -86,7 +100,7 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0) ->
         figures["overlap_beyond_padding"] = 0
     else:
         figures["overlap_beyond_padding"] = max(0, duplicates - padding)
-        return SamplingVerdict(False, _diagnose_partition(seqs, n, world, tail), figures)
+        return SamplingVerdict(False, _diagnose_partition(seqs, n, world, tail, share), figures)
     if len(set(batches)) > 1:
         low, high = min(batches), max(batches)
         return SamplingVerdict(False, f"{ranks_label([r for r, b in enumerate(batches) if b == low])} get {low} "
@@ -96,7 +110,7 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0) ->
     return SamplingVerdict(True, "", figures)
 
 
-def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0) -> str:
+def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0, share: int | None = None) -> str:
     """Name the cause of a partition that is neither padded nor drop_last DistributedSampler output."""
     full = set(range(n))
     for r in range(world):
@@ -111,20 +125,20 @@ def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0
     union = set().union(*map(set, seqs))
     repeats = sum(counts) - len(union)
     missing = sorted(full - union)
-    padding = math.ceil(n / world) * world - n
+    padded, padding = padded_share(n, world, share)
     if repeats - padding >= world:
         # more repeats than any DistributedSampler pads (< num_replicas): the shares come from
         # different permutations, not from strides of one
         shared, r, s = max(((len(set(seqs[r]) & set(seqs[s])), r, s) for r in range(world)
                             for s in range(r + 1, world)), default=(0, 0, 0))
-        return (f"the ranks' samples overlap: {repeats} repeats where DistributedSampler's padding allows at most "
+        return (f"the ranks' samples overlap: {repeats} repeats where {_padding_words(share)} allows at most "
                 f"{padding} (ranks {r} and {s} share {shared}): the ranks shuffle with different permutations (a "
                 "sampler seed that differs per rank? DistributedSampler's shares are disjoint only when every rank "
                 "uses the same seed), or choose their shares by hash() of names, which differs per process")
     if len(missing) > n % world + world * tail:
         return (f"{len(missing)} of {n} samples reach no rank (e.g. {_sample(missing)}), more than a dropped tail "
                 f"({n % world + world * tail}), with {max(counts)} samples per rank at most instead of "
-                f"{math.ceil(n / world) - tail}: the sampler's num_replicas/rank do not match the process group")
+                f"{padded - tail}: the sampler's num_replicas/rank do not match the process group")
     if len(set(counts)) > 1:
         return (f"the ranks get different numbers of samples ({counts}): DistributedSampler gives every rank "
                 f"{math.ceil(n / world)} (padded) or {n // world} (drop_last)")
@@ -145,7 +159,7 @@ def _unshuffled(seqs: list[list[int]], n: int) -> bool:
 
 
 def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epoch: int,
-                          sampler: str = "DistributedSampler") -> SamplingVerdict:
+                          sampler: str = "DistributedSampler", share: int | None = None) -> SamplingVerdict:
     """An epoch the fit started but may not have finished (`ranks`: what each rank drew of it so
     far): whatever the ranks drew must still be disjoint, apart from DistributedSampler's padding.
     A partition's shares stay disjoint in any prefix, and padding (at most R - 1 repeats) comes only
@@ -160,7 +174,7 @@ def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epo
         return SamplingVerdict(False, f"rank {rank} receives index {index} outside the dataset of {n} samples in epoch "
                                       f"{epoch}: the loader does not index the trainer's dataset", figures)
     repeats = sum(map(len, seqs)) - len(set().union(*map(set, seqs)))
-    padding = math.ceil(n / world) * world - n if world else 0
+    padding = padded_share(n, world, share)[1] if world else 0
     figures["overlap_beyond_padding"] = max(0, repeats - padding)
     if repeats <= padding:
         return SamplingVerdict(True, "", figures)
@@ -175,7 +189,7 @@ def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epo
                     "rebuilt mid-run without sharding it by rank?)"), figures)
     return SamplingVerdict(False, (
         f"the ranks' samples overlap in epoch {epoch}: {repeats} repeats among the {sum(map(len, seqs))} drawn so far, "
-        f"where DistributedSampler's padding allows at most {padding} ({sampler}): {unsharded}from epoch {epoch} the "
+        f"where {_padding_words(share)} allows at most {padding} ({sampler}): {unsharded}from epoch {epoch} the "
         "ranks' shares are not a partition of the dataset (a loader rebuilt mid-run without sharding it by rank?)"),
         figures)
 
@@ -213,12 +227,13 @@ def _replay_diagnosis(replay: tuple[int, int], always: bool, per_rank: list[list
 
 
 def analyse(epochs: Sequence[Sequence[Batches]], dataset_size: int, shuffle: bool,
-            sampler: str = "DistributedSampler", tail: int = 0) -> SamplingVerdict:
+            sampler: str = "DistributedSampler", tail: int = 0, share: int | None = None) -> SamplingVerdict:
     """Every epoch's partition, then the order across epochs when shuffling (`sampler`: the name of
-    what orders the samples, for the advice; `tail`: what the loader drops of each rank's share)."""
+    what orders the samples, for the advice; `tail`: what the loader drops of each rank's share; `share`:
+    what each rank draws where the sharding pads whole batches)."""
     figures: dict[str, Any] = {"dataset_size": dataset_size, "epochs": len(epochs)}
     for epoch, ranks in enumerate(epochs):
-        verdict = analyse_epoch(ranks, dataset_size, tail)
+        verdict = analyse_epoch(ranks, dataset_size, tail, share)
         figures.update(verdict.figures)
         if not verdict.ok:
             return SamplingVerdict(False, f"{verdict.diagnosis} (epoch {epoch})", figures)

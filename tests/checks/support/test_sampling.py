@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
+from ddp_conformance.checks.support import loader_wrappers
 from ddp_conformance.checks.support.sampling import ORDER_MIN_SIZE, analyse, analyse_started_epoch
+
+NEEDS_ACCELERATE = "accelerate (the dev extra) is not installed: its BatchSamplerShard cannot be built"
 
 EPOCHS = 3  # as the check judges (sampler_disjointness.EPOCHS)
 
@@ -208,3 +212,54 @@ def test_subsets_drawn_per_rank_are_named_as_such_and_shards_or_one_shared_split
     assert per_rank_split([[0, 2, 4], [1, 3, 5]]) == ""  # each rank's own shard: a scheme of its own
     assert per_rank_split([[0, 1, 3], [0, 1, 3]]) == ""  # one split, seeded alike
     assert per_rank_split([[0, 1, 3], None]) == ""  # only one rank over a Subset: not this cause
+
+
+def accelerate_shards(size: int, world: int, batch: int, split: bool, seeds: list[int]) -> list[list[list[int]]]:
+    """Each rank's batches of one epoch from accelerate's own BatchSamplerShard (`even_batches`, the default),
+    over a BatchSampler that keeps its last batch and a RandomSampler seeded with `seeds[rank]` (one seed for
+    every rank: accelerate synchronises the generator), and the share `loader_wrappers.padded_share` reads."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    ranks, shares = [], set()
+    for rank in range(world):
+        sampler = RandomSampler(range(size), generator=torch.Generator().manual_seed(seeds[rank]))
+        shard = BatchSamplerShard(BatchSampler(sampler, batch * world if split else batch, drop_last=False),
+                                  num_processes=world, process_index=rank, split_batches=split)
+        ranks.append([list(b) for b in shard])
+        shares.add(loader_wrappers.padded_share(shard))
+    assert len(shares) == 1
+    return ranks, shares.pop()
+
+
+shards = st.fixed_dictionaries({"size": st.integers(1, 200), "world": st.integers(1, 6), "batch": st.integers(1, 9),
+                                "split": st.booleans(), "seed": st.integers(0, 2**31 - 1)})
+
+
+@settings(max_examples=100, deadline=None)
+@given(shards)
+def test_accelerate_s_batch_shards_pass_with_the_whole_batches_they_pad(c):
+    """accelerate evens the ranks' batches by looping back to the epoch's first samples, whole batches at a time:
+    more repeats than DistributedSampler's padding, and no fault (before: "the ranks shuffle with different
+    permutations" on 187 samples at batch size 4)."""
+    pytest.importorskip("accelerate", reason=NEEDS_ACCELERATE)
+    ranks, share = accelerate_shards(c["size"], c["world"], c["batch"], c["split"], [c["seed"]] * c["world"])
+    verdict = analyse([ranks], c["size"], False, "RandomSampler", share=share)
+    assert verdict.ok, verdict.diagnosis
+    assert all(sum(map(len, r)) == share for r in ranks)
+    assert verdict.figures["uncovered"] == 0 and verdict.figures["padding_duplicates"] <= share * c["world"] - c["size"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries({"size": st.integers(320, 600), "world": st.integers(2, 4), "batch": st.integers(1, 4),
+                              "split": st.booleans(), "seed": st.integers(0, 2**31 - 1)}))
+def test_accelerate_s_batch_shards_of_unsynchronised_generators_are_named(c):
+    """The same shards where each rank's generator draws its own permutation (accelerate's synchronisation
+    defeated): the allowance for whole batches does not hide it."""
+    pytest.importorskip("accelerate", reason=NEEDS_ACCELERATE)
+    ranks, share = accelerate_shards(c["size"], c["world"], c["batch"], c["split"],
+                                     [c["seed"] + rank for rank in range(c["world"])])
+    verdict = analyse([ranks], c["size"], False, "RandomSampler", share=share)
+    assert not verdict.ok and "different permutations" in verdict.diagnosis, verdict.diagnosis
+    assert "accelerate's even_batches" in verdict.diagnosis
