@@ -20,7 +20,7 @@ asks for something that would break another scheme.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -83,8 +83,8 @@ def run(ctx: CheckContext) -> dict[str, Any]:
         size = complete[0].dataset_size
         assert size is not None  # a map-style dataset: it has indices
         drawn, size = _within_the_universe(ctx, complete, size)
-        figures = _judge(ctx, drawn, size, _shuffles(ctx, complete), complete[0].sampler, complete[0].tail,
-                         complete[0].share)
+        figures = _judge(ctx, drawn, size, _shuffles(ctx, complete),
+                         Batching(complete[0].sampler, complete[0].tail, complete[0].share))
         figures.update(indices_from="the fit", scheme="partition")
         _cross_check(ctx, complete, figures)
     _judge_started(ctx, later, judged, figures)
@@ -191,13 +191,23 @@ def _shuffles(ctx: CheckContext, passes: list[Any]) -> bool:
     return passes[0].shuffle if passes[0].shuffle is not None else ctx.config.data.shuffle
 
 
+class Batching(NamedTuple):
+    """How the ranks' loaders batch an epoch: what orders the samples (named in the advice), what each rank's
+    share leaves out at its end (`tail`), and what a sharding that pads whole batches gives each rank (`share`)."""
+
+    sampler: str = "DistributedSampler"
+    tail: int = 0
+    share: int | None = None
+
+
 def _judge(ctx: CheckContext, mine: list[list[list[int]]], size: int, shuffle: bool,
-           sampler: str = "DistributedSampler", tail: int = 0, share: int | None = None) -> dict[str, Any]:
+           batching: Batching) -> dict[str, Any]:
     __tracebackhide__ = hide_on_verdict
     gathered = all_gather(mine)
     epochs = [[gathered[r][e] for r in range(ctx.world_size)] for e in range(len(mine))]
-    shares = {found for found in all_gather(share) if found is not None}
-    verdict = analyse(epochs, size, shuffle, sampler, max(all_gather(tail)), max(shares) if shares else None)
+    shares = {found for found in all_gather(batching.share) if found is not None}
+    verdict = analyse(epochs, size, shuffle, batching.sampler, max(all_gather(batching.tail)),
+                      max(shares) if shares else None)
     figures = dict(verdict.figures)
     if not shuffle:
         ctx.note("the loader does not shuffle: the order across epochs is not judged")
@@ -306,7 +316,7 @@ def _judge_from_helpers(ctx: CheckContext, why: str, helper: Any = None) -> dict
         pytest.skip(f"{why}, and {_no_helpers(ctx)}")
     ctx.note(f"indices read from make_loader, not from the fit: {why}")
     size = len(ctx.adapter().make_dataset())  # type: ignore[arg-type]
-    figures = _judge(ctx, helper, size, ctx.config.data.shuffle, tail=_helper_tail(ctx))
+    figures = _judge(ctx, helper, size, ctx.config.data.shuffle, Batching(tail=_helper_tail(ctx)))
     figures["indices_from"] = "make_loader"
     return figures
 
