@@ -90,6 +90,7 @@ from .accelerate_launch import split as split_launcher
 from .accelerate_state import reset as reset_accelerate_state
 from .script_checkpoints import EntryWatch, FitCheckpoint, copy_for_resume, fit_of, remember
 from .script_checkpoints import latest as latest_checkpoint
+from .script_links import LinkedInputs
 
 SCRIPT_PREFIX = "script:"
 FIT_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint_at", "accumulate_grad_batches")
@@ -98,8 +99,6 @@ RESUME_FIELDS = ("steps", "epochs", "checkpoint_dir", "checkpoint", "checkpoint_
 # a resume line that names its checkpoint by these finds the one at k whatever the fit saved after it
 STEP_NAMED = ("checkpoint_at", "checkpoint_latest")
 DEFAULTED = "checkpoint_at"  # the one placeholder that can be absent, so the one with a `:-N` form
-# files a run in the SPEC's folder may have left for the script to resume from: not linked into a fit's cwd
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 _BRACES = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 _FIELD = re.compile(r"(?P<name>[a-z_]+)(?::-(?P<default>[^{}]*))?")
 
@@ -332,26 +331,20 @@ class ScriptAdapter(TrainerAdapter):
 
     @contextlib.contextmanager
     def _linked_inputs(self, cwd: Path) -> Iterator[None]:
-        """A link in `cwd` to each entry of the SPEC's base while the script runs, so that its relative
-        inputs (`data/`, `config/`) resolve; removed after it, so that the directory holds what the
-        script wrote. Checkpoint-like files (an earlier run's `snapshot.pt`) are not linked."""
-        links, hidden = [], []
-        for entry in sorted(self.base.iterdir()):
-            link = cwd / entry.name
-            if entry.is_file() and entry.suffix in CHECKPOINT_SUFFIXES:
-                hidden.append(entry.name)
-            elif not os.path.lexists(link):
-                link.symlink_to(entry, target_is_directory=entry.is_dir())
-                links.append(link)
-        if hidden:
-            self._note(f"not shown to the script: {', '.join(hidden[:3])} in {self.base} (a checkpoint left by "
-                       "an earlier run there; every fit starts in a fresh working directory)")
+        """The base's entries linked into `cwd` while the script runs (`script_links`), and what became of them
+        in the fit's notes."""
+        inputs = LinkedInputs(self.base, cwd)
         try:
-            yield
+            with inputs.standing():
+                yield
         finally:
-            for link in links:
-                if link.is_symlink():
-                    link.unlink()
+            if inputs.hidden:
+                self._note(f"not shown to the script: {', '.join(inputs.hidden[:3])} in {self.base} (a checkpoint "
+                           "left by an earlier run there; every fit starts in a fresh working directory)")
+            if inputs.diverted:
+                self._note(f"the script wrote {', '.join(inputs.diverted[:3])} into {{checkpoint_dir}}, where the "
+                           f"harness linked the file of that name in {self.base} for it to read: it wrote a file of "
+                           f"its own there, and {self.base}'s is unchanged")
 
     def _name_writes(self, before: dict[str, tuple[int, int]] | None, command: Command) -> None:
         """Name the files the script wrote into the SPEC's folder, outside {checkpoint_dir}."""

@@ -82,6 +82,52 @@ def test_files_written_into_the_spec_folder_are_named(tmp_path):
                                          "{checkpoint_dir}: files a later fit or session may read"]
 
 
+WRITES_OVER_LINKED_FILES = """
+    import os
+    import sys
+
+    import torch
+
+    out = sys.argv[1]  # the output directory, as the Trainer's --output_dir: the fit's working directory
+    with open(os.path.join(out, "README.md"), "w") as card:  # the Trainer's model card
+        card.write("model card")
+    with open("notes.txt", "a") as notes:  # appended to: the script's own copy of the base's file grows
+        notes.write(" and more")
+    fd = os.open("config.json", os.O_WRONLY | os.O_TRUNC)  # os.open, as a library may
+    os.write(fd, b"{}")
+    os.close(fd)
+    with open("vocab.txt") as vocab:  # read: still the base's, through its link
+        assert vocab.read() == "a b c"
+    weight = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+"""
+
+
+def test_a_file_the_script_writes_over_a_linked_base_file_is_its_own_and_the_base_s_is_unchanged(tmp_path):
+    """The transformers Trainer writes its model card to `output_dir/README.md`; the fit's working directory (its
+    output directory) held a link to the script folder's README.md, so the card replaced the user's README.
+    Every write through a file link, by `open` or `os.open`, truncating or appending, now goes to a file of the
+    working directory's own, and a note says so."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.py").write_text(textwrap.dedent(WRITES_OVER_LINKED_FILES))
+    originals = {"README.md": "the user's README", "notes.txt": "notes", "config.json": '{"a": 1}',
+                 "vocab.txt": "a b c"}
+    for name, text in originals.items():
+        (repo / name).write_text(text)
+    adapter = adapter_for("script:train.py {checkpoint_dir}", repo, tmp_path / "work")
+    adapter.fit(1)
+    [checkpoint_dir] = fit_dirs(tmp_path / "work")
+    assert {name: (repo / name).read_text() for name in originals} == originals
+    assert {p.name: p.read_text() for p in checkpoint_dir.iterdir()} == {
+        "README.md": "model card", "notes.txt": "notes and more", "config.json": "{}"}  # the links are gone
+    assert adapter.conformance_notes == [
+        f"the script wrote README.md, notes.txt, config.json into {{checkpoint_dir}}, where the harness linked the "
+        f"file of that name in {repo} for it to read: it wrote a file of its own there, and {repo}'s is unchanged"]
+
+
 SPLITS_THEN_SEEDS = """
     import torch
 
