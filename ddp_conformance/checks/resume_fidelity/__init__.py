@@ -750,9 +750,23 @@ def _fed_shift(ctx: CheckContext, label: str, k: int) -> str:
     plural = "" if abs(shift) == 1 else "es"
     if shift < 0:
         return (f"it re-reads {-shift} micro-batch{plural} it trained before the checkpoint{where}: its first inputs "
-                f"are those of the uninterrupted run's micro-batch {before + shift}, not {before}")
+                f"are those of the uninterrupted run's micro-batch {before + shift}, not {before}"
+                + _whole_epochs_back(ctx, -shift))
     return (f"it skips {shift} micro-batch{plural} the uninterrupted run trains after the checkpoint{where}: its "
             f"first inputs are those of the uninterrupted run's micro-batch {before + shift}, not {before}")
+
+
+def _whole_epochs_back(ctx: CheckContext, shift: int) -> str:
+    """Where a resume re-reads from the same place in its epoch, whole epochs back: the position within the epoch
+    was restored, and the order of an earlier epoch read from it (an epoch never given to the sampler on resume)."""
+    lengths = {p.length for p in ctx.recordings["uninterrupted"].training_passes()}
+    epoch = lengths.pop() if len(lengths) == 1 else None
+    if not epoch or shift % epoch:
+        return ""
+    epochs = shift // epoch
+    return (f", the same place in the epoch {epochs} epoch{'' if epochs == 1 else 's'} earlier: the position within "
+            "the epoch is restored and the epoch's order is not (the resumed epoch is never given to the sampler, "
+            "set_epoch, or its generator's state is not restored)")
 
 
 def _input_offset(full: list[str], again: list[str], before: int) -> int | None:
