@@ -72,7 +72,7 @@ class Trainer(TorchTrainer):
 """
 
 
-@pytest.mark.parametrize("cannot", [0, 1])
+@pytest.mark.parametrize("cannot", [0, pytest.param(1, marks=pytest.mark.slow)])  # rank 1's: -m slow
 def test_a_reference_rank_0_cannot_compute_is_not_computed_on_any(pytester: pytest.Pytester, cannot: int) -> None:
     """gradient_equivalence's single-process step: rank 0 computes it for every rank. Told NotProvided there,
     every rank judges the fit's first step instead (a rank that went its own way into a fit once left the others

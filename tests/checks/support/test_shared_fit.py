@@ -122,7 +122,7 @@ def test_a_failed_verdict_keeps_the_evidence_for_the_next_check(pytester: pytest
     assert results["initial_sync"]["figures"]["shared_fits"] == {"probe": "reused from resume_fidelity"}, results
 
 
-@pytest.mark.parametrize(("config", "shared"), [(None, True), ("tiny.yaml", False)])
+@pytest.mark.parametrize(("config", "shared"), [(None, True), pytest.param("tiny.yaml", False, marks=pytest.mark.slow)])
 def test_rank_participation_s_fit_is_the_dropout_free_fit_where_the_config_has_no_dropout(
         pytester: pytest.Pytester, config: str | None, shared: bool) -> None:
     """With no dropout in the config the configured fit is the dropout-free one: one fit serves
