@@ -80,6 +80,11 @@ def _process_of(link: Any) -> tuple[int, int] | None:
     return (index, count) if isinstance(index, int) and isinstance(count, int) else None
 
 
+def _sharding(links: list[Any]) -> Any:
+    """The wrapper in a chain (`chain`) that shards by process, above its innermost batch sampler; None without one."""
+    return next((link for link in links[:-1] if _process_of(link) is not None), None)
+
+
 def described(batch_sampler: Any) -> str | None:
     """The wrappers around the loader's batches, outermost first, for a note ("BatchSamplerShard (process 1 of 2)
     over BatchSampler"); None when the batch sampler wraps nothing."""
@@ -113,7 +118,7 @@ def dropped_tail(batch_sampler: Any, plain: type) -> int:
         kept = len(base) * base.batch_size
     except (TypeError, AttributeError):
         return 0
-    sharded = next((link for link in links if _process_of(link) is not None and link is not base), None)
+    sharded = _sharding(links)
     if sharded is None:
         return size - kept
     _, processes = _process_of(sharded)  # type: ignore[misc]
@@ -133,7 +138,7 @@ def padded_share(batch_sampler: Any) -> int | None:
     repeats. None where no such shard pads (DistributedSampler's rule applies)."""
     links = chain(batch_sampler)
     base = links[-1]
-    sharded = next((link for link in links if _process_of(link) is not None and link is not base), None)
+    sharded = _sharding(links)
     size = getattr(base, "batch_size", None)
     if sharded is None or not getattr(sharded, "even_batches", False) or getattr(base, "drop_last", True) \
             or not isinstance(size, int):

@@ -50,7 +50,7 @@ def _sample(values: Sequence[int], limit: int = 5) -> str:
     return shown + (", ..." if len(values) > limit else "")
 
 
-def padded_share(dataset_size: int, world: int, share: int | None = None) -> tuple[int, int]:
+def padded_epoch(dataset_size: int, world: int, share: int | None = None) -> tuple[int, int]:
     """(samples per rank, repeats the padding adds) of a padded epoch: DistributedSampler's ceil(N/R) each,
     or `share`, what a sharding that pads whole batches gives each rank (`loader_wrappers.padded_share`)."""
     per_rank = share if share is not None else (math.ceil(dataset_size / world) if world else 0)
@@ -84,7 +84,7 @@ def analyse_epoch(ranks: Sequence[Batches], dataset_size: int, tail: int = 0,
     union = set().union(*map(set, seqs)) if seqs else set()
     duplicates = total - len(union)
     missing = n - len(union)
-    padded, padding = padded_share(n, world, share)
+    padded, padding = padded_epoch(n, world, share)
     dropped = n // world if world else 0
     figures.update(padding_duplicates=duplicates, uncovered=missing)
     if all(c == 0 for c in counts):
@@ -125,7 +125,7 @@ def _diagnose_partition(seqs: list[list[int]], n: int, world: int, tail: int = 0
     union = set().union(*map(set, seqs))
     repeats = sum(counts) - len(union)
     missing = sorted(full - union)
-    padded, padding = padded_share(n, world, share)
+    padded, padding = padded_epoch(n, world, share)
     if repeats - padding >= world:
         # more repeats than any DistributedSampler pads (< num_replicas): the shares come from
         # different permutations, not from strides of one
@@ -174,7 +174,7 @@ def analyse_started_epoch(ranks: Sequence[Sequence[int]], dataset_size: int, epo
         return SamplingVerdict(False, f"rank {rank} receives index {index} outside the dataset of {n} samples in epoch "
                                       f"{epoch}: the loader does not index the trainer's dataset", figures)
     repeats = sum(map(len, seqs)) - len(set().union(*map(set, seqs)))
-    padding = padded_share(n, world, share)[1] if world else 0
+    padding = padded_epoch(n, world, share)[1] if world else 0
     figures["overlap_beyond_padding"] = max(0, repeats - padding)
     if repeats <= padding:
         return SamplingVerdict(True, "", figures)
